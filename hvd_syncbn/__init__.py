@@ -1,0 +1,1 @@
+"""Synchronized batch normalization for Horovod."""

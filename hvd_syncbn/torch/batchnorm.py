@@ -1,0 +1,249 @@
+"""PyTorch SyncBatchNorm over Horovod.
+
+A drop-in for ``nn.BatchNorm1d/2d/3d`` whose batch statistics cover every rank.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any, Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch.nn.modules.batchnorm import _BatchNorm
+
+from hvd_syncbn import backend
+
+try:  # Horovod is optional: without it the layer is plain BN.
+    import horovod.torch as hvd
+except ImportError:  # pragma: no cover - exercised only where Horovod is missing
+    hvd = None
+
+_LOW_PRECISION = (torch.float16, torch.bfloat16)
+_layer_ids = itertools.count()
+
+
+class _TorchOps:
+    """The tensor ops :mod:`hvd_syncbn.backend` needs, for torch."""
+
+    @staticmethod
+    def concat(parts: Sequence[Tensor]) -> Tensor:
+        return torch.cat(list(parts))
+
+    @staticmethod
+    def cast(x: Tensor, like: Tensor) -> Tensor:
+        return x.to(like.dtype)
+
+    @staticmethod
+    def wide(x: Tensor) -> Tensor:
+        return x.to(torch.float64)
+
+    @staticmethod
+    def rsqrt(x: Tensor) -> Tensor:
+        return torch.rsqrt(x)
+
+    @staticmethod
+    def maximum(x: Tensor, floor: float) -> Tensor:
+        return torch.clamp_min(x, floor)
+
+
+_ops = _TorchOps()
+
+
+def _allreduce_sum(process_set: Any):
+    def allreduce_sum(buf: Tensor, name: str) -> Tensor:
+        return hvd.allreduce_(buf, op=hvd.Sum, name=name, process_set=process_set)
+
+    return allreduce_sum
+
+
+def _local_moments(x: Tensor, acc: torch.dtype) -> tuple[Tensor, Tensor]:
+    """Local per-channel mean and biased variance (zeros if empty), by the native kernel.
+
+    The mean comes back in float64 where its ``acc`` rounding would cost the global
+    variance accuracy (see :func:`hvd_syncbn.backend.mean_needs_float64`).
+    """
+    channels = x.shape[1]
+    if x.numel() == 0:
+        zeros = torch.zeros(channels, dtype=acc, device=x.device)
+        return zeros, zeros
+    if x.dtype == acc:
+        mean, var = torch.batch_norm_update_stats(x, None, None, 0.0)
+    else:  # mixed precision: float32 buffers make the native kernel accumulate in float32
+        scratch = torch.zeros(2, channels, dtype=acc, device=x.device)
+        mean, var = torch.batch_norm_update_stats(x, scratch[0], scratch[1], 0.0)
+    if acc != torch.float64 and backend.mean_needs_float64(mean, var):
+        dims = [d for d in range(x.dim()) if d != 1]
+        mean = x.sum(dims, dtype=torch.float64) / (x.numel() // channels)
+    return mean, var
+
+
+class _SyncBatchNormFn(torch.autograd.Function):
+    """Normalise with global statistics; backward with one packed allreduce."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, layer, momentum):  # noqa: D401 - autograd API
+        acc = layer._acc_dtype(x)
+        mean, var = _local_moments(x, acc)
+        count = torch.full((1,), x.numel() // x.shape[1], dtype=acc, device=x.device)
+        allreduce = _allreduce_sum(layer._process_set())
+        total, g_mean, g_var = backend.sync_moments(
+            _ops, allreduce, backend.collective_name(layer.layer_name, "fwd"), count, mean, var
+        )
+        n = float(total)
+        backend.check_global_count(layer.layer_name, n, training=True)
+        mean, var = g_mean.to(acc), g_var.to(acc)
+        if momentum is not None and n > 1:
+            with torch.no_grad():
+                layer.running_mean.copy_(backend.ema(layer.running_mean, mean, 1 - momentum))
+                layer.running_var.copy_(
+                    backend.ema(layer.running_var, backend.unbiased(g_var, total).to(acc), 1 - momentum)
+                )
+        # The native inference kernel normalises with the global statistics.
+        y = torch.batch_norm(x, weight, bias, mean, var, False, 0.0, layer.eps, torch.backends.cudnn.enabled)
+        ctx.save_for_backward(x, weight, mean, var, total.to(acc))
+        ctx.layer = layer
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight, mean, var, total = ctx.saved_tensors
+        layer = ctx.layer
+        invstd = torch.rsqrt(var + layer.eps)
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        if x.numel() == 0:
+            channels = x.shape[1]
+            sum_dy_xhat = sum_dy = torch.zeros(channels, dtype=mean.dtype, device=x.device)
+        else:
+            _, sum_dy_xhat, sum_dy = torch.ops.aten.native_batch_norm_backward(
+                dy, x, None, None, None, mean, invstd, True, layer.eps, [False, True, True]
+            )
+        dx = None
+        if need_x:
+            allreduce = _allreduce_sum(layer._process_set())
+            g_dy, g_dy_xhat = backend.sync_grad_sums(
+                _ops, allreduce, backend.collective_name(layer.layer_name, "bwd"), sum_dy, sum_dy_xhat
+            )
+            k, s, t = backend.input_grad_coeffs(total, invstd, weight, g_dy, g_dy_xhat)
+            # s·x̂ + t through the native kernel (it normalises x with mean/var), then + k·dy.
+            dx = torch.batch_norm(x, s, t, mean, var, False, 0.0, layer.eps, torch.backends.cudnn.enabled)
+            dx = dx.addcmul_(dy, _per_channel(k, x))
+        dw = sum_dy_xhat.to(weight.dtype) if need_w else None
+        db = sum_dy.to(weight.dtype) if need_b else None
+        return dx, dw, db, None, None
+
+
+def _per_channel(v: Tensor, like: Tensor) -> Tensor:
+    """``(C,)`` viewed to broadcast against ``(N, C, *)``."""
+    return v.to(like.dtype).view((1, -1) + (1,) * (like.dim() - 2))
+
+
+class SyncBatchNorm(_BatchNorm):
+    r"""Batch normalization whose statistics cover the global batch of all Horovod ranks.
+
+    .. math::
+        y = \frac{x - \mathrm{E}[x]}{\sqrt{\mathrm{Var}[x] + \epsilon}} * \gamma + \beta
+
+    The mean and variance are taken per channel over the rows of *every* rank in
+    ``process_set``; ranks may hold different numbers of rows, zero included. Each
+    training step makes one allreduce in the forward pass and one in the backward pass.
+    Without Horovod initialised, with one rank, or in eval mode with running statistics,
+    it is exactly ``nn.BatchNorm`` and makes no collective call.
+
+    Args:
+        num_features: ``C`` from an input of size ``(N, C, *)``.
+        eps: added to the variance for numerical stability. Default: 1e-5.
+        momentum: weight of the new batch in the running statistics (``None`` for a
+            cumulative average). This is not optimizer momentum: PyTorch's BN momentum
+            is ``1 −`` Keras's. Default: 0.1.
+        affine: learnable ``γ`` and ``β``. Default: ``True``.
+        track_running_stats: keep running mean/variance (unbiased, from the global
+            count) for eval mode; if ``False`` batch statistics are used always.
+            Default: ``True``.
+        process_set: Horovod process set to synchronise within. Default: all ranks.
+        device: device of the parameters and buffers.
+        dtype: dtype of the parameters and buffers.
+        bias: learnable ``β`` when ``affine``. Default: ``True``.
+        name: collective name of this layer; must be the same on every rank. Default:
+            the module path given by :func:`convert_sync_batchnorm`, else
+            ``SyncBatchNorm_<k>`` in construction order.
+
+    Shape:
+        - Input: ``(N, C, *)``, any memory format; ``N`` may differ per rank, even 0.
+        - Output: same shape and dtype as the input.
+
+    Examples::
+
+        >>> hvd.init()
+        >>> bn = hvd_syncbn.torch.SyncBatchNorm(64)
+        >>> y = bn(torch.randn(2, 64, 32, 32))
+    """
+
+    def __init__(
+        self,
+        num_features: int,
+        eps: float = 1e-5,
+        momentum: Optional[float] = 0.1,
+        affine: bool = True,
+        track_running_stats: bool = True,
+        process_set: Any = None,
+        device: Any = None,
+        dtype: Optional[torch.dtype] = None,
+        *,
+        bias: bool = True,
+        name: Optional[str] = None,
+    ) -> None:
+        _check_args(num_features, eps, momentum)
+        super().__init__(num_features, eps, momentum, affine, track_running_stats, device, dtype, bias=bias)
+        self.process_set = process_set
+        self.layer_name = name or f"SyncBatchNorm_{next(_layer_ids)}"
+
+    def _check_input_dim(self, input: Tensor) -> None:
+        backend.check_input(
+            self.layer_name, input.shape, 1, self.num_features,
+            input.is_floating_point() and not input.is_complex(), input.dtype,
+        )
+
+    def _acc_dtype(self, x: Tensor) -> torch.dtype:
+        params = self.weight if self.weight is not None else self.running_mean
+        if params is not None and params.dtype not in _LOW_PRECISION:
+            return params.dtype
+        return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+    def _process_set(self) -> Any:
+        return self.process_set if self.process_set is not None else hvd.global_process_set
+
+    def _world_size(self) -> int:
+        if hvd is None or not hvd.is_initialized():
+            return 1
+        ps = self._process_set()
+        if not ps.included():
+            raise ValueError(
+                f"{self.layer_name}: this rank ({hvd.rank()}) is not in the layer's process "
+                f"set {ps}; build the layer only on member ranks"
+            )
+        return ps.size()
+
+    def forward(self, input: Tensor) -> Tensor:
+        self._check_input_dim(input)
+        use_batch_stats = self.training or not self.track_running_stats
+        if not use_batch_stats or self._world_size() == 1:
+            return super().forward(input)  # plain BN: the native fast path
+        momentum = None
+        if self.training and self.track_running_stats:
+            self.num_batches_tracked.add_(1)
+            momentum = self.momentum if self.momentum is not None else 1.0 / float(self.num_batches_tracked)
+        return _SyncBatchNormFn.apply(input, self.weight, self.bias, self, momentum)
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + f", name={self.layer_name!r}"
+
+
+def _check_args(num_features: Any, eps: Any, momentum: Any) -> None:
+    if not isinstance(num_features, int) or num_features <= 0:
+        raise ValueError(f"SyncBatchNorm: expected num_features to be a positive int, got {num_features!r}")
+    if not eps > 0:
+        raise ValueError(f"SyncBatchNorm: expected eps > 0, got {eps!r}")
+    if momentum is not None and not 0.0 <= momentum <= 1.0:
+        raise ValueError(f"SyncBatchNorm: expected momentum in [0, 1] or None, got {momentum!r}")

@@ -1,0 +1,87 @@
+#!/usr/bin/env bash
+# Idempotent set-up from nothing: OpenMPI, .venv/ with torch, TensorFlow and Horovod.
+# Used by the README's commands, .ci/run and the Dockerfile. A second run takes seconds:
+# the Horovod wheel is built once and cached outside the checkout.
+set -euo pipefail
+
+HOROVOD_VERSION=${HOROVOD_VERSION:-0.28.1}
+TORCH_VERSION=${TORCH_VERSION:-2.13.0}
+TF_VERSION=${TF_VERSION:-2.21.*}
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+VENV=${HVD_SYNCBN_VENV:-$ROOT/.venv}
+CACHE=${HVD_SYNCBN_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/hvd_syncbn}
+PYTHON=${PYTHON:-python3}
+
+log() { echo "[install] $*" >&2; }
+die() { echo "[install] ERROR: $*" >&2; exit 1; }
+as_root() { if [ "$(id -u)" = 0 ]; then "$@"; else sudo "$@"; fi; }
+
+# 1. System packages: OpenMPI (mpirun and headers), a C++ toolchain and cmake < 4.
+missing=()
+command -v mpirun >/dev/null || missing+=(openmpi-bin)
+[ -e /usr/include/x86_64-linux-gnu/openmpi ] || command -v mpicc >/dev/null || missing+=(libopenmpi-dev)
+command -v g++ >/dev/null || missing+=(g++)
+command -v cmake >/dev/null || missing+=(cmake)
+command -v make >/dev/null || missing+=(make)
+if [ ${#missing[@]} -gt 0 ]; then
+  log "apt-get install ${missing[*]}"
+  as_root apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive as_root apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+fi
+
+# 2. The virtual environment and the Python packages (skipped when already pinned).
+[ -x "$VENV/bin/python" ] || { log "creating $VENV"; "$PYTHON" -m venv "$VENV"; }
+PY="$VENV/bin/python"
+reqs=("torch==$TORCH_VERSION" "tensorflow-cpu==$TF_VERSION" numpy mpi4py pytest
+      cloudpickle psutil pyyaml packaging cffi)
+stamp="$VENV/.hvd_syncbn-reqs"
+if [ "$(cat "$stamp" 2>/dev/null)" != "${reqs[*]}" ]; then
+  log "pip install ${reqs[*]}"
+  "$PY" -m pip install -q --upgrade pip wheel setuptools
+  "$PY" -m pip install -q "${reqs[@]}"
+  echo "${reqs[*]}" > "$stamp"
+fi
+
+# 3. Horovod, built once per (Horovod, torch, TF, Python) and cached as a wheel.
+versions=$("$PY" - <<'PY'
+import sys, importlib.metadata as m
+print(f"torch{m.version('torch')}-tf{m.version('tensorflow-cpu')}-py{sys.version_info[0]}{sys.version_info[1]}")
+PY
+)
+wheel_dir="$CACHE/horovod-$HOROVOD_VERSION-$versions"
+if ! ls "$wheel_dir"/horovod-*.whl >/dev/null 2>&1; then
+  log "building Horovod $HOROVOD_VERSION ($versions); this takes about 10 minutes once"
+  build=$(mktemp -d)
+  trap 'rm -rf "$build"' EXIT
+  "$PY" -m pip download -q --no-deps --no-binary :all: -d "$build" "horovod==$HOROVOD_VERSION"
+  tar -xzf "$build"/horovod-"$HOROVOD_VERSION".tar.gz -C "$build"
+  src="$build/horovod-$HOROVOD_VERSION"
+  # The four fixes Horovod 0.28.1 needs against torch 2.13 / TF 2.21 / cmake 4.
+  sed -i 's/set(CMAKE_CXX_STANDARD 14)/set(CMAKE_CXX_STANDARD 17)/' \
+    "$src/CMakeLists.txt" "$src/horovod/torch/CMakeLists.txt"
+  sed -i '/xla_mpi_ops\.cc/d' "$src/horovod/tensorflow/CMakeLists.txt"
+  grep -q 'CMAKE_CXX_STANDARD 17' "$src/horovod/torch/CMakeLists.txt" || die "C++17 patch did not apply"
+  ! grep -q 'xla_mpi_ops' "$src/horovod/tensorflow/CMakeLists.txt" || die "XLA patch did not apply"
+  tf_inc=$("$PY" -c 'import tensorflow as tf; print(tf.sysconfig.get_include())' 2>/dev/null)
+  export CPLUS_INCLUDE_PATH="$tf_inc/external/highwayhash${CPLUS_INCLUDE_PATH:+:$CPLUS_INCLUDE_PATH}"
+  export CMAKE_POLICY_VERSION_MINIMUM=3.5
+  export HOROVOD_WITH_PYTORCH=1 HOROVOD_WITH_TENSORFLOW=1 HOROVOD_WITH_GLOO=1 \
+         HOROVOD_WITH_MPI=1 HOROVOD_WITHOUT_MXNET=1
+  export MAKEFLAGS="-j$(nproc)"
+  (cd "$src" && "$PY" -m pip wheel -q --no-build-isolation --no-deps -w "$build/dist" .) \
+    || die "Horovod build failed (see the compiler output above)"
+  mkdir -p "$wheel_dir"
+  cp "$build"/dist/horovod-*.whl "$wheel_dir/"
+fi
+if ! "$PY" -c 'import horovod' 2>/dev/null; then
+  log "pip install $(basename "$wheel_dir"/horovod-*.whl)"
+  "$PY" -m pip install -q --no-deps --force-reinstall "$wheel_dir"/horovod-*.whl
+fi
+
+# 4. The project itself, editable, and a check that Horovod has everything we use.
+"$PY" -m pip install -q --no-deps --no-build-isolation -e "$ROOT" >/dev/null
+check=$(PATH="$VENV/bin:$PATH" "$VENV/bin/horovodrun" --check-build)
+for want in TensorFlow PyTorch MPI Gloo; do
+  echo "$check" | grep -q "\[X\] $want" || { echo "$check" >&2; die "horovodrun --check-build lacks $want"; }
+done
+log "ready: $VENV (Horovod $HOROVOD_VERSION with TensorFlow, PyTorch, MPI, Gloo)"

@@ -1,0 +1,197 @@
+"""The framework-free backend, driven by numpy with ranks simulated as threads."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+
+import numpy as np
+import pytest
+
+from hvd_syncbn import backend
+from oracle import EMPTY, UNEQUAL, assert_close, global_batch, shard_sizes, shard_slice
+
+
+class NumpyOps:
+    concat = staticmethod(np.concatenate)
+    rsqrt = staticmethod(lambda x: 1.0 / np.sqrt(x))
+    maximum = staticmethod(np.maximum)
+
+    @staticmethod
+    def cast(x, like):
+        return x.astype(like.dtype)
+
+    @staticmethod
+    def wide(x):
+        return np.asarray(x, dtype=np.float64)
+
+
+class ThreadRanks:
+    """``world`` ranks as threads sharing a summing allreduce; records every call."""
+
+    def __init__(self, world):
+        self.world, self.calls = world, []
+        self.barrier = threading.Barrier(world)
+        self.slots = [None] * world
+
+    def allreduce_for(self, rank):
+        def allreduce_sum(buf, name):
+            self.slots[rank] = buf
+            self.barrier.wait()
+            total = np.sum(self.slots, axis=0)
+            if rank == 0:
+                self.calls.append((name, buf.shape, buf.dtype))
+            self.barrier.wait()
+            return total
+
+        return allreduce_sum
+
+    def run(self, fn):
+        results, errors = [None] * self.world, []
+
+        def target(rank):
+            try:
+                results[rank] = fn(rank, self.allreduce_for(rank))
+            except BaseException as e:  # surfaced below
+                errors.append(e)
+                self.barrier.abort()
+
+        threads = [threading.Thread(target=target, args=(r,)) for r in range(self.world)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=30)
+        if errors:
+            raise errors[0]
+        return results
+
+
+def local_moments(x, refine=True):
+    """Per-channel local (count, mean, biased var) of an (N, C, ...) shard, as adapters do:
+    accumulated in float64 (as the native kernels do), rounded to the input's precision,
+    the mean kept in float64 where the backend asks for it."""
+    c = x.shape[1]
+    rows = np.moveaxis(x, 1, 0).reshape(c, -1)  # (C, N*H*W)
+    if rows.shape[1] == 0:
+        return np.zeros(1), np.zeros(c, np.float32), np.zeros(c, np.float32)
+    wide_mean = rows.mean(axis=1, dtype=np.float64)
+    mean, var = wide_mean.astype(x.dtype), rows.var(axis=1, dtype=np.float64).astype(x.dtype)
+    if refine and backend.mean_needs_float64(mean, var):
+        mean = wide_mean
+    return np.array([rows.shape[1]], np.float32), mean, var
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+@pytest.mark.parametrize("pattern", [UNEQUAL, EMPTY], ids=["unequal", "empty"])
+def test_sync_moments_equal_moments_of_concatenated_batch(world, pattern):
+    sizes = shard_sizes(pattern, world)
+    x = global_batch(0, sum(sizes), (5, 3, 2), offset=3.0)
+    ranks = ThreadRanks(world)
+
+    def step(rank, allreduce):
+        n, m, v = local_moments(x[shard_slice(sizes, rank)])
+        return backend.sync_moments(NumpyOps, allreduce, "hvd_syncbn.bn.fwd", n, m, v)
+
+    x64 = np.moveaxis(x.astype(np.float64), 1, 0).reshape(5, -1)
+    for total, mean, var in ranks.run(step):  # every rank gets the same global moments
+        assert total[0] == x64.shape[1]
+        assert_close(mean, x64.mean(axis=1), "mean", rtol=1e-6)
+        assert_close(var, x64.var(axis=1), "var", rtol=1e-5)
+    assert ranks.calls == [("hvd_syncbn.bn.fwd", (2 * 5 + 1,), np.float64)]  # one buffer
+
+
+def test_variance_survives_large_offset_and_naive_float32_does_not():
+    sizes = shard_sizes(UNEQUAL, 2)
+    x = global_batch(1, sum(sizes), (4, 8, 8), offset=1e4, scale=0.1)
+    want = np.moveaxis(x.astype(np.float64), 1, 0).reshape(4, -1).var(axis=1)
+
+    def rel_error(refine):
+        def step(rank, allreduce):
+            moments = local_moments(x[shard_slice(sizes, rank)], refine)
+            return backend.sync_moments(NumpyOps, allreduce, "bn", *moments)
+
+        _, _, var = ThreadRanks(2).run(step)[0]
+        return np.max(np.abs(var - want) / want)
+
+    assert rel_error(refine=True) <= 1e-5
+    # The check can fail: with float32-rounded local means alone it is several times worse,
+    assert rel_error(refine=False) > 5e-5
+    # and so is a naive float32 Σx² − (Σx)²/n.
+    rows = np.moveaxis(x, 1, 0).reshape(4, -1)
+    n = np.float32(rows.shape[1])
+    naive = (np.sum(rows * rows, axis=1) - np.sum(rows, axis=1) ** 2 / n) / n
+    assert np.max(np.abs(naive - want) / want) > 1e-4
+
+
+def bn_loss(x, w, b, r, eps):
+    """Σ r·BN(x) over the whole batch, float64, for finite differences."""
+    mean = x.mean(axis=(0, 2), keepdims=True)
+    var = x.var(axis=(0, 2), keepdims=True)
+    y = (x - mean) / np.sqrt(var + eps) * w[None, :, None] + b[None, :, None]
+    return float(np.sum(r * y))
+
+
+def test_input_grad_matches_finite_differences_across_ranks():
+    sizes, eps = shard_sizes(UNEQUAL, 3), 1e-3
+    x = global_batch(2, sum(sizes), (3, 4)).astype(np.float64)
+    r = global_batch(3, sum(sizes), (3, 4)).astype(np.float64)
+    w, b = np.array([0.5, 1.0, 2.0]), np.array([0.1, -0.2, 0.3])
+
+    def step(rank, allreduce):
+        xs, dy = x[shard_slice(sizes, rank)], r[shard_slice(sizes, rank)]
+        n, m, v = local_moments(xs)
+        total, mean, var = backend.sync_moments(NumpyOps, allreduce, "fwd", n, m.astype(np.float64), v)
+        invstd = 1.0 / np.sqrt(var + eps)
+        xhat = (xs - mean[None, :, None]) * invstd[None, :, None]
+        g, h = backend.sync_grad_sums(NumpyOps, allreduce, "bwd", dy.sum(axis=(0, 2)), (dy * xhat).sum(axis=(0, 2)))
+        k, s, t = backend.input_grad_coeffs(total, invstd, w, g, h)
+        return k[None, :, None] * dy + s[None, :, None] * xhat + t[None, :, None]
+
+    dx = np.concatenate(ThreadRanks(3).run(step))
+    numeric = np.zeros_like(x)
+    for i in np.ndindex(x.shape):
+        d = np.zeros_like(x)
+        d[i] = 1e-6
+        numeric[i] = (bn_loss(x + d, w, b, r, eps) - bn_loss(x - d, w, b, r, eps)) / 2e-6
+    assert_close(dx, numeric, "dx vs finite differences", rtol=1e-5, atol=1e-7)
+
+
+def test_running_statistics_helpers():
+    assert backend.ema(np.float64(10.0), np.float64(0.0), keep=0.9) == pytest.approx(9.0)
+    assert backend.unbiased(np.float64(2.0), np.float64(5.0)) == pytest.approx(2.5)
+
+
+def test_collective_names_say_which_layer():
+    assert backend.collective_name("layer1.0.bn1", "fwd") == "hvd_syncbn.layer1.0.bn1.fwd"
+    assert backend.collective_name("layer1.0.bn1", "bwd") != backend.collective_name("layer1.0.bn2", "bwd")
+
+
+@pytest.mark.parametrize(
+    "shape, floating, match",
+    [
+        ((4,), True, r"bn7: expected an input with at least 2 dims \(N, C, \.\.\.\), got 1D"),
+        ((4, 3, 2), True, r"bn7: expected 8 channels on axis 1, got 3"),
+        ((4, 8), False, r"bn7: expected a floating-point input .* got int32"),
+    ],
+)
+def test_check_input_messages(shape, floating, match):
+    with pytest.raises(ValueError, match=match):
+        backend.check_input("bn7", shape, 1, 8, floating, "int32")
+    backend.check_input("bn7", (None, 8, 5), 1, 8, True, "float32")  # unknown batch is fine
+
+
+def test_single_global_row_raises_when_training():
+    with pytest.raises(ValueError, match="bn: expected more than 1 value per channel"):
+        backend.check_global_count("bn", 1.0, training=True)
+    backend.check_global_count("bn", 1.0, training=False)
+
+
+def test_import_loads_no_framework():
+    code = (
+        "import sys, hvd_syncbn, hvd_syncbn.backend; "
+        "bad = sorted(m for m in ('torch', 'tensorflow', 'keras', 'horovod') if m in sys.modules); "
+        "print(bad); sys.exit(bool(bad))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, f"importing hvd_syncbn loaded {out.stdout.strip()} {out.stderr[-500:]}"

@@ -1,0 +1,63 @@
+"""Runs the rank-side suites at 2 and 3 ranks, under horovodrun (Gloo) and mpirun (MPI).
+
+Each rank runs the same pytest file; a run passes only if every rank reports all of
+its tests passed, none skipped.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+SUITES = ["tests/test_torch_syncbn.py"]
+TIMEOUT_S = 600
+# A rank whose assertion fails skips collectives its peers wait in: let Horovod's stall
+# inspector shut the job down quickly instead of hanging until TIMEOUT_S.
+STALL = dict(HOROVOD_STALL_CHECK_TIME_SECONDS="5", HOROVOD_STALL_SHUTDOWN_TIME_SECONDS="30")
+
+
+def clean_env() -> dict:
+    """This process's environment without the MPI/Horovod state an in-process
+    ``hvd.init()`` may have left, which would confuse a nested launcher."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "PMIX_", "HOROVOD_"))}
+    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PATH=f"{BIN}{os.pathsep}{env.get('PATH', '')}", **STALL)
+    return env
+
+
+def launch_command(launcher: str, np_: int) -> list:
+    if launcher == "horovodrun-gloo":
+        return [str(BIN / "horovodrun"), "--gloo", "-np", str(np_), "-H", f"localhost:{np_}"]
+    mpirun = shutil.which("mpirun")
+    assert mpirun, "mpirun not found: run launch/install.sh"
+    root = ["--allow-run-as-root"] if os.geteuid() == 0 else []
+    return [mpirun, *root, "--oversubscribe", "-np", str(np_), "-bind-to", "none", "-map-by", "slot",
+            *(arg for name in ["PATH", "OMP_NUM_THREADS", "PYTHONUNBUFFERED", *STALL] for arg in ("-x", name))]
+
+
+def run_suite(launcher: str, np_: int, suite: str) -> str:
+    cmd = launch_command(launcher, np_) + [
+        sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--color=no", suite,
+    ]
+    out = subprocess.run(cmd, cwd=ROOT, env=clean_env(), capture_output=True, text=True, timeout=TIMEOUT_S)
+    log = out.stdout + out.stderr
+    summaries = re.findall(r"^(?:\[[\d,]+\]<stdout>:)?(=* ?\d+ (?:passed|failed).*)$", log, re.M)
+    assert out.returncode == 0, f"{' '.join(cmd)} exited {out.returncode}:\n{log[-6000:]}"
+    assert len(summaries) == np_, f"expected {np_} rank summaries, got {summaries}:\n{log[-3000:]}"
+    for line in summaries:
+        assert re.search(r"\d+ passed", line) and not re.search(r"failed|error|skipped", line), line
+    return log
+
+
+@pytest.mark.parametrize("suite", SUITES)
+@pytest.mark.parametrize("np_", [2, 3])
+@pytest.mark.parametrize("launcher", ["horovodrun-gloo", "mpirun"])
+def test_suite_at_several_ranks(launcher, np_, suite):
+    run_suite(launcher, np_, suite)

@@ -1,0 +1,266 @@
+"""PyTorch SyncBatchNorm against plain BN on the concatenated global batch.
+
+Runs at any world size: plainly under pytest (1 rank), and at 2 and 3 ranks under
+horovodrun and mpirun (launched by ``test_launch.py``). Expected values come from one
+process running ``nn.BatchNorm`` on the whole batch, which every rank builds itself.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from hvd_syncbn.torch import SyncBatchNorm, convert_sync_batchnorm, revert_sync_batchnorm
+from oracle import EMPTY, UNEQUAL, assert_close, global_batch, shard_sizes, shard_slice
+
+hvd = pytest.importorskip("horovod.torch")
+
+os.environ.setdefault("HOROVOD_DYNAMIC_PROCESS_SETS", "1")
+os.environ.setdefault("HOROVOD_TIMELINE", "DYNAMIC")
+hvd.init()
+RANK, WORLD = hvd.rank(), hvd.size()
+PLAIN = {2: nn.BatchNorm1d, 3: nn.BatchNorm1d, 4: nn.BatchNorm2d, 5: nn.BatchNorm3d}
+
+
+def allreduce_sum(t: torch.Tensor, name: str, ps=None) -> torch.Tensor:
+    """Sum of a tensor over the ranks (the test's own collective, not the layer's)."""
+    ps = ps or hvd.global_process_set
+    return hvd.allreduce(t.detach().contiguous(), op=hvd.Sum, name=f"test.{name}", process_set=ps)
+
+
+def run_steps(sync, plain, tail, pattern, steps=3, seed=0, channels_last=False, ps=None, **tol):
+    """Train ``sync`` on this rank's shards and ``plain`` on the whole batches; compare.
+
+    ``ps``: the process set the layer synchronises within (default: all ranks).
+    """
+    ps = ps or hvd.global_process_set
+    rank = ps.rank()
+    sizes = shard_sizes(pattern, ps.size())
+    mine = shard_slice(sizes, rank)
+    for step in range(steps):
+        x_all = torch.from_numpy(global_batch(seed + step, sum(sizes), tail, offset=step))
+        r_all = torch.from_numpy(global_batch(100 + seed + step, sum(sizes), tail))
+        if channels_last:
+            x_all = x_all.to(memory_format=torch.channels_last)
+        x_all.requires_grad_(True)
+        x = x_all.detach()[mine].clone().requires_grad_(True)
+
+        y_all = plain(x_all)
+        (y_all * r_all).sum().backward()
+        y = sync(x)
+        (y * r_all[mine]).sum().backward()
+
+        what = f"step {step}, rank {rank} of {sizes}"
+        assert_close(y.detach(), y_all.detach()[mine], f"output ({what})", **tol)
+        assert_close(x.grad, x_all.grad[mine], f"input grad ({what})", **tol)
+        if channels_last:
+            assert y.is_contiguous(memory_format=torch.channels_last), "channels_last output lost"
+        for name in ("weight", "bias"):
+            p, q = getattr(sync, name), getattr(plain, name)
+            if q is not None:
+                got = allreduce_sum(p.grad, f"{name}.grad.{step}", ps)
+                assert_close(got, q.grad, f"{name} grad summed over ranks ({what})", **tol)
+                p.grad, q.grad = None, None
+        for name in ("running_mean", "running_var", "num_batches_tracked"):
+            q = getattr(plain, name)
+            if q is not None:
+                assert_close(getattr(sync, name), q, f"{name} ({what})", **tol)
+            else:
+                assert getattr(sync, name) is None
+    # Eval after training: running statistics (or batch ones), no communication needed.
+    sync.eval(), plain.eval()
+    x_all = torch.from_numpy(global_batch(seed + 50, sum(sizes), tail))
+    with torch.no_grad():
+        assert_close(sync(x_all[mine]), plain(x_all)[mine], f"eval output, rank {rank}", **tol)
+
+
+def make_pair(channels, ndim, **kwargs):
+    torch.manual_seed(0)
+    plain = PLAIN[ndim](channels, **kwargs)
+    sync = SyncBatchNorm(channels, **kwargs)
+    if plain.affine:  # non-trivial, identical affine parameters
+        with torch.no_grad():
+            for layer in (plain, sync):
+                layer.weight.copy_(torch.linspace(0.5, 1.5, channels))
+                layer.bias.copy_(torch.linspace(-0.3, 0.3, channels))
+    return sync, plain
+
+
+CASES = {
+    "2d-unequal": dict(tail=(4, 5, 5), pattern=UNEQUAL),
+    "2d-empty-rank": dict(tail=(4, 5, 5), pattern=EMPTY),
+    "1d-NC": dict(tail=(6,), pattern=UNEQUAL),
+    "1d-NCL": dict(tail=(3, 7), pattern=EMPTY),
+    "3d": dict(tail=(2, 3, 4, 5), pattern=UNEQUAL),
+    "channels-last": dict(tail=(4, 5, 5), pattern=UNEQUAL, channels_last=True),
+    "affine-false": dict(tail=(4, 5, 5), pattern=UNEQUAL, kwargs=dict(affine=False)),
+    "momentum-none": dict(tail=(4, 5, 5), pattern=EMPTY, kwargs=dict(momentum=None)),
+    "no-running-stats": dict(tail=(4, 3, 3), pattern=UNEQUAL, kwargs=dict(track_running_stats=False)),
+    "momentum-0.5-eps-1e-3": dict(tail=(4, 3, 3), pattern=UNEQUAL, kwargs=dict(momentum=0.5, eps=1e-3)),
+}
+
+
+@pytest.mark.parametrize("case", CASES, ids=list(CASES))
+def test_matches_plain_bn_on_global_batch(case):
+    c = CASES[case]
+    sync, plain = make_pair(c["tail"][0], len(c["tail"]) + 1, **c.get("kwargs", {}))
+    run_steps(sync, plain, c["tail"], c["pattern"], channels_last=c.get("channels_last", False))
+
+
+def test_bf16_autocast_keeps_float32_statistics():
+    sync, plain = make_pair(4, 4)
+    sizes = shard_sizes(UNEQUAL, WORLD)
+    mine = shard_slice(sizes, RANK)
+    x_all = torch.from_numpy(global_batch(7, sum(sizes), (4, 6, 6), offset=2.0)).bfloat16()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y_all = plain(x_all)
+        y = sync(x_all[mine])
+    assert y.dtype == torch.bfloat16 and sync.running_mean.dtype == torch.float32
+    assert_close(y.float(), y_all.float()[mine], "bf16 output", rtol=1e-2, atol=1e-2)
+    assert_close(sync.running_mean, plain.running_mean, "bf16 running_mean")
+    assert_close(sync.running_var, plain.running_var, "bf16 running_var", rtol=1e-4)
+
+
+def test_variance_survives_large_offset():
+    """Mean 1e4, std 0.1, float32 input: variance within 1e-4 of a float64 reference."""
+    sizes = shard_sizes(UNEQUAL, WORLD)
+    x_all = global_batch(3, sum(sizes), (8, 4, 4), offset=1e4, scale=0.1)
+    sync = SyncBatchNorm(8, momentum=1.0)  # running_var = unbiased batch variance
+    sync(torch.from_numpy(x_all[shard_slice(sizes, RANK)]))
+    want = x_all.astype(np.float64).transpose(1, 0, 2, 3).reshape(8, -1).var(axis=1, ddof=1)
+    rel = np.abs(sync.running_var.double().numpy() - want) / want
+    assert rel.max() <= 1e-4, f"variance relative error {rel.max():.3g} > 1e-4"
+    assert_close(sync.running_mean, x_all.mean(axis=(0, 2, 3), dtype=np.float64), "mean", rtol=1e-6)
+
+
+class SmallCNN(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Sequential(
+            nn.Conv2d(3, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8), nn.ReLU(),
+            nn.Conv2d(8, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8), nn.ReLU(),
+        )
+        self.head = nn.Sequential(nn.Flatten(), nn.Linear(8 * 6 * 6, 5), nn.BatchNorm1d(5))
+
+    def forward(self, x):
+        return self.head(self.body(x))
+
+
+def test_converted_cnn_trains_like_one_process():
+    """SGD on shards with SyncBN == SGD on the concatenated batch with plain BN."""
+    torch.manual_seed(1)
+    plain = SmallCNN()
+    sync = convert_sync_batchnorm(SmallCNN())
+    sync.load_state_dict(plain.state_dict())
+    assert sum(isinstance(m, SyncBatchNorm) for m in sync.modules()) == 3
+    opt_plain = torch.optim.SGD(plain.parameters(), lr=0.1, momentum=0.9)
+    opt = hvd.DistributedOptimizer(
+        torch.optim.SGD(sync.parameters(), lr=0.1, momentum=0.9),
+        named_parameters=sync.named_parameters(), op=hvd.Sum,
+    )
+    sizes = shard_sizes(EMPTY if WORLD > 2 else UNEQUAL, WORLD)
+    mine, total = shard_slice(sizes, RANK), sum(sizes)
+    for step in range(3):
+        x_all = torch.from_numpy(global_batch(20 + step, total, (3, 6, 6)))
+        t_all = torch.from_numpy(global_batch(40 + step, total, (5,)))
+        for model, optim, rows in ((plain, opt_plain, slice(None)), (sync, opt, mine)):
+            optim.zero_grad()
+            loss = ((model(x_all[rows]) - t_all[rows]) ** 2).sum() / total  # share of the global mean
+            loss.backward()
+            optim.step()
+    for (name, p), q in zip(sync.state_dict().items(), plain.state_dict().values()):
+        assert_close(p, q, f"{name} after 3 SGD steps, rank {RANK}", rtol=1e-4, atol=1e-5)
+
+
+def test_process_set_syncs_only_within_itself():
+    """At 3+ ranks a set of ranks 0 and 1; below that, the global set passed explicitly."""
+    members = [0, 1] if WORLD >= 3 else list(range(WORLD))
+    ps = hvd.add_process_set(members) if WORLD >= 3 else hvd.global_process_set
+    try:
+        sync, plain = make_pair(4, 4)
+        sync.process_set = ps
+        if RANK in members:
+            run_steps(sync, plain, (4, 3, 3), UNEQUAL, steps=2, ps=ps)
+        else:
+            with pytest.raises(ValueError, match="not in the layer's process set"):
+                sync(torch.ones(2, 4, 3, 3))
+    finally:
+        if ps is not hvd.global_process_set:
+            hvd.remove_process_set(ps)
+
+
+def test_exactly_one_allreduce_per_direction_per_layer(tmp_path_factory):
+    """Counted in Horovod's own timeline: 2 layers, fwd+bwd -> 2 + 2 allreduces."""
+    path = str(tmp_path_factory.mktemp(f"timeline{RANK}") / "timeline.json")
+    model = nn.Sequential(SyncBatchNorm(4, name="count.a"), nn.ReLU(), SyncBatchNorm(4, name="count.b"))
+    x = torch.randn(3, 4, 5, 5, requires_grad=True)
+    hvd.start_timeline(path, mark_cycles=False)
+    model(x).sum().backward()
+    hvd.allreduce(torch.ones(1), name="test.timeline.flush")  # every earlier op is done
+    hvd.stop_timeline()
+    if RANK != 0:
+        return
+    with open(path) as f:
+        text = f.read().rstrip().rstrip(",")
+    events = json.loads(text if text.endswith("]") else text + "]")
+    # One timeline "process" per tensor, named "allreduce.<collective name>".
+    names = {e["pid"]: e["args"].get("name", "") for e in events if e.get("name") == "process_name"}
+    done = [names.get(e.get("pid"), "") for e in events if e.get("name") == "ALLREDUCE" and e.get("ph") == "B"]
+    ours = sorted(n.split(".", 1)[1] for n in done if n.startswith("allreduce.hvd_syncbn."))
+    expected = [] if WORLD == 1 else sorted(
+        f"hvd_syncbn.count.{layer}.{d}" for layer in "ab" for d in ("fwd", "bwd")
+    )
+    assert ours == expected, f"collectives in the timeline: {ours}, expected {expected}"
+
+
+@pytest.mark.parametrize(
+    "x, match",
+    [
+        (torch.ones(4, 3, 2, 2), r"expected 4 channels on axis 1, got 3"),
+        (torch.ones(4), r"expected an input with at least 2 dims .* got 1D input"),
+        (torch.ones(4, 4, dtype=torch.int64), r"expected a floating-point input .* got torch.int64"),
+        (torch.ones(4, 4, dtype=torch.complex64), r"expected a floating-point input"),
+    ],
+    ids=["channels", "ndim", "int", "complex"],
+)
+def test_bad_input_names_layer(x, match):
+    bn = SyncBatchNorm(4, name="stem.bn")
+    with pytest.raises(ValueError, match=r"stem\.bn: " + match):
+        bn(x)
+    assert bn.num_batches_tracked.item() == 0 and bn.running_mean.abs().sum() == 0
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [(dict(num_features=0), "num_features"), (dict(num_features=4, eps=0.0), "eps > 0"),
+     (dict(num_features=4, momentum=1.5), r"momentum in \[0, 1\]")],
+)
+def test_bad_arguments(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        SyncBatchNorm(**kwargs)
+
+
+def test_state_dict_loads_both_ways_and_revert_keeps_state():
+    plain = nn.BatchNorm2d(6, momentum=0.2)
+    plain(torch.randn(8, 6, 3, 3))
+    sync = SyncBatchNorm(6, momentum=0.2)
+    sync.load_state_dict(plain.state_dict())
+    assert list(sync.state_dict()) == list(plain.state_dict())
+    model = nn.Sequential(nn.Conv2d(3, 6, 1), plain, nn.Sequential(nn.BatchNorm1d(6)))
+    model[1].weight.requires_grad_(False)
+    model.eval()
+    ref = {k: v.clone() for k, v in model.state_dict().items()}
+    convert_sync_batchnorm(model)
+    assert isinstance(model[1], SyncBatchNorm) and isinstance(model[2][0], SyncBatchNorm)
+    assert model[1].layer_name == "1" and model[2][0].layer_name == "2.0"
+    assert not model[1].training and not model[1].weight.requires_grad
+    revert_sync_batchnorm(model)
+    assert type(model[1]) is nn.BatchNorm2d and type(model[2][0]) is nn.BatchNorm1d
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, ref[k]), k
+    assert not model[1].training and not model[1].weight.requires_grad
