@@ -32,7 +32,7 @@ fi
 # 2. The virtual environment and the Python packages (skipped when already pinned).
 [ -x "$VENV/bin/python" ] || { log "creating $VENV"; "$PYTHON" -m venv "$VENV"; }
 PY="$VENV/bin/python"
-reqs=("torch==$TORCH_VERSION" "tensorflow-cpu==$TF_VERSION" numpy mpi4py pytest
+reqs=("torch==$TORCH_VERSION" "tensorflow-cpu==$TF_VERSION" numpy mpi4py pytest matplotlib tqdm
       cloudpickle psutil pyyaml packaging cffi)
 stamp="$VENV/.hvd_syncbn-reqs"
 if [ "$(cat "$stamp" 2>/dev/null)" != "${reqs[*]}" ]; then

@@ -1,7 +1,10 @@
-"""Runs the rank-side suites at 2 and 3 ranks, under horovodrun (Gloo) and mpirun (MPI).
+"""Runs the rank-side suites (``tests/ranks_*.py``) at 1 rank, and at 2 and 3 ranks under
+horovodrun (Gloo) and mpirun (MPI).
 
-Each rank runs the same pytest file; a run passes only if every rank reports all of
-its tests passed, none skipped.
+Each rank runs the same pytest file, which computes its expectations from the world
+size (mpi4py style); a run passes only if every rank reports all of
+its tests passed, none skipped. Ranks stop at their first failure (``-x``), so the
+launcher ends the job instead of the others waiting in a collective.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
-SUITES = ["tests/test_torch_syncbn.py"]
+SUITES = ["tests/ranks_torch.py", "tests/ranks_tf.py"]
 TIMEOUT_S = 600
 # A rank whose assertion fails skips collectives its peers wait in: let Horovod's stall
 # inspector shut the job down quickly instead of hanging until TIMEOUT_S.
@@ -33,6 +36,8 @@ def clean_env() -> dict:
 
 
 def launch_command(launcher: str, np_: int) -> list:
+    if launcher == "plain":
+        return []
     if launcher == "horovodrun-gloo":
         return [str(BIN / "horovodrun"), "--gloo", "-np", str(np_), "-H", f"localhost:{np_}"]
     mpirun = shutil.which("mpirun")
@@ -44,7 +49,7 @@ def launch_command(launcher: str, np_: int) -> list:
 
 def run_suite(launcher: str, np_: int, suite: str) -> str:
     cmd = launch_command(launcher, np_) + [
-        sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--color=no", suite,
+        sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "--color=no", suite,
     ]
     out = subprocess.run(cmd, cwd=ROOT, env=clean_env(), capture_output=True, text=True, timeout=TIMEOUT_S)
     log = out.stdout + out.stderr
@@ -56,8 +61,10 @@ def run_suite(launcher: str, np_: int, suite: str) -> str:
     return log
 
 
+RUNS = [("plain", 1), ("horovodrun-gloo", 2), ("mpirun", 2), ("horovodrun-gloo", 3), ("mpirun", 3)]
+
+
 @pytest.mark.parametrize("suite", SUITES)
-@pytest.mark.parametrize("np_", [2, 3])
-@pytest.mark.parametrize("launcher", ["horovodrun-gloo", "mpirun"])
-def test_suite_at_several_ranks(launcher, np_, suite):
+@pytest.mark.parametrize("launcher, np_", RUNS, ids=[f"{l}-{n}" for l, n in RUNS])
+def test_suite(launcher, np_, suite):
     run_suite(launcher, np_, suite)

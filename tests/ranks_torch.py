@@ -1,7 +1,7 @@
 """PyTorch SyncBatchNorm against plain BN on the concatenated global batch.
 
 Runs at any world size: plainly under pytest (1 rank), and at 2 and 3 ranks under
-horovodrun and mpirun (launched by ``test_launch.py``). Expected values come from one
+horovodrun and mpirun, all launched by ``test_launch.py``. Expected values come from one
 process running ``nn.BatchNorm`` on the whole batch, which every rank builds itself.
 """
 

@@ -1,0 +1,224 @@
+"""Keras SyncBatchNormalization against plain Keras BN on the concatenated global batch.
+
+Runs at any world size, launched by ``test_launch.py`` (1 rank plainly, 2 and 3 ranks
+under horovodrun and mpirun). Expected values come from one process running
+``keras.layers.BatchNormalization`` on the whole batch, which every rank builds itself,
+in float64 (Keras's float32 variance, ``E[x²] − E[x]²``, is itself off by ~1e-5).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+from hvd_syncbn.tensorflow import SyncBatchNormalization, convert_sync_batchnorm  # noqa: E402
+from oracle import EMPTY, UNEQUAL, assert_close, global_batch, shard_sizes, shard_slice  # noqa: E402
+
+hvd = pytest.importorskip("horovod.tensorflow")
+hvd.init()
+RANK, WORLD = hvd.rank(), hvd.size()
+
+
+def allreduce_sum(t, name):
+    return hvd.allreduce(tf.convert_to_tensor(t), op=hvd.Sum, name=f"test.{name}")
+
+
+class MultiAxisBN(keras.layers.Layer):
+    """Plain-TF reference for a list of channel axes (Keras 3 BN takes one axis)."""
+
+    def __init__(self, axes, momentum, epsilon, dtype):
+        super().__init__(dtype=dtype)
+        self.axes, self.momentum, self.epsilon = axes, momentum, epsilon
+
+    def build(self, shape):
+        cshape = [shape[a] for a in self.axes]
+        self.gamma = self.add_weight(shape=cshape, initializer="ones", name="gamma")
+        self.beta = self.add_weight(shape=cshape, initializer="zeros", name="beta")
+        self.moving_mean = self.add_weight(shape=cshape, initializer="zeros", trainable=False, name="moving_mean")
+        self.moving_variance = self.add_weight(shape=cshape, initializer="ones", trainable=False,
+                                               name="moving_variance")
+
+    def call(self, x, training=False):
+        red = [a for a in range(len(x.shape)) if a not in self.axes]
+        bshape = [1 if a in red else x.shape[a] for a in range(len(x.shape))]
+        if training:
+            mean, var = tf.nn.moments(x, red)
+            self.moving_mean.assign(self.moving_mean * self.momentum + mean * (1 - self.momentum))
+            self.moving_variance.assign(self.moving_variance * self.momentum + var * (1 - self.momentum))
+        else:
+            mean, var = self.moving_mean, self.moving_variance
+        y = (x - tf.reshape(mean, bshape)) * tf.math.rsqrt(tf.reshape(var, bshape) + self.epsilon)
+        return y * tf.reshape(self.gamma, bshape) + tf.reshape(self.beta, bshape)
+
+
+def make_pair(tail, axis=-1, oracle_dtype="float64", **kwargs):
+    if isinstance(axis, list):
+        plain = MultiAxisBN([a % (len(tail) + 1) for a in axis], kwargs.get("momentum", 0.99),
+                            kwargs.get("epsilon", 1e-3), oracle_dtype)
+    else:
+        plain = keras.layers.BatchNormalization(axis=axis, **{"dtype": oracle_dtype, **kwargs})
+    sync = SyncBatchNormalization(axis=axis, **kwargs)
+    for layer in (plain, sync):
+        layer.build((None, *tail))
+        for name, lo, hi in (("gamma", 0.5, 1.5), ("beta", -0.3, 0.3)):
+            w = getattr(layer, name, None)
+            if w is not None:
+                w.assign(tf.reshape(tf.linspace(lo, hi, int(np.prod(w.shape))), w.shape))
+    return sync, plain
+
+
+def run_steps(sync, plain, tail, pattern, steps=3, compiled=False, mask=False, **tol):
+    """Train ``sync`` on this rank's shard and ``plain`` on the whole batch; compare."""
+    sizes = shard_sizes(pattern, WORLD)
+    mine = shard_slice(sizes, RANK)
+
+    def fwd_bwd(layer, x, r, m):
+        x = tf.cast(x, layer.variable_dtype)
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            y = layer(x, training=True, mask=m) if mask else layer(x, training=True)
+            loss = tf.reduce_sum(tf.cast(y, r.dtype) * r)
+        weights = [w for w in (getattr(layer, "gamma", None), getattr(layer, "beta", None)) if w is not None]
+        grads = tape.gradient(loss, [x] + weights)
+        return y, grads
+
+    step_fn = tf.function(fwd_bwd) if compiled else fwd_bwd
+    for step in range(steps):
+        x_all = global_batch(step, sum(sizes), tail, offset=step)
+        r_all = global_batch(100 + step, sum(sizes), tail)
+        m_all = global_batch(200 + step, sum(sizes), tail[:-1]) > -0.5 if mask else None
+        y_all, g_all = fwd_bwd(plain, tf.constant(x_all), tf.constant(r_all, plain.variable_dtype),
+                               None if m_all is None else tf.constant(m_all))
+        y, g = step_fn(sync, tf.constant(x_all[mine]), tf.constant(r_all[mine]),
+                       None if m_all is None else tf.constant(m_all[mine]))
+        what = f"step {step}, rank {RANK} of {sizes}"
+        assert y.dtype == sync.compute_dtype, f"output dtype {y.dtype} != {sync.compute_dtype}"
+        assert_close(y, y_all[mine.start:mine.stop], f"output ({what})", **tol)
+        assert_close(g[0], g_all[0][mine.start:mine.stop], f"input grad ({what})", **tol)
+        # γ/β grads are float32 sums of ~10² O(1) terms that nearly cancel: their
+        # rounding alone is ~1e-6·√rows against the float64 oracle, hence atol 1e-5.
+        for i, (mine_g, want_g) in enumerate(zip(g[1:], g_all[1:])):
+            assert_close(allreduce_sum(mine_g, f"w{i}.{step}"), want_g, f"weight grad {i} summed ({what})",
+                         **{"atol": 1e-5, **tol})
+        for name in ("moving_mean", "moving_variance"):
+            assert_close(getattr(sync, name), getattr(plain, name), f"{name} ({what})", **tol)
+    x_all = global_batch(50, sum(sizes), tail)
+    assert_close(sync(x_all[mine], training=False), plain(x_all, training=False)[mine.start:mine.stop],
+                 f"inference output, rank {RANK}", **tol)
+
+
+CASES = {
+    "channels-last-4d": dict(tail=(5, 5, 4), pattern=UNEQUAL),
+    "channels-first-4d": dict(tail=(4, 5, 5), axis=1, pattern=EMPTY),
+    "2d": dict(tail=(6,), pattern=UNEQUAL),
+    "3d-empty-rank": dict(tail=(7, 3), pattern=EMPTY),
+    "5d": dict(tail=(2, 3, 4, 3), pattern=UNEQUAL),
+    "no-center-no-scale": dict(tail=(5, 5, 4), pattern=UNEQUAL, kwargs=dict(center=False, scale=False)),
+    "momentum-epsilon": dict(tail=(5, 5, 4), pattern=EMPTY, kwargs=dict(momentum=0.5, epsilon=1e-5)),
+    "axis-list": dict(tail=(3, 5, 4), axis=[1, 3], pattern=UNEQUAL),
+    "tf-function": dict(tail=(5, 5, 4), pattern=EMPTY, compiled=True),
+    "mask": dict(tail=(6, 4), pattern=UNEQUAL, mask=True),
+}
+
+
+@pytest.mark.parametrize("case", CASES, ids=list(CASES))
+def test_matches_keras_bn_on_global_batch(case):
+    c = CASES[case]
+    sync, plain = make_pair(c["tail"], c.get("axis", -1), **c.get("kwargs", {}))
+    run_steps(sync, plain, c["tail"], c["pattern"], compiled=c.get("compiled", False), mask=c.get("mask", False))
+
+
+def test_mixed_float16_keeps_float32_statistics():
+    sync, plain = make_pair((4, 4, 3), oracle_dtype="mixed_float16", dtype="mixed_float16")
+    assert sync.moving_mean.dtype == "float32"
+    run_steps(sync, plain, (4, 4, 3), UNEQUAL, steps=2, rtol=1e-2, atol=2e-3)
+
+
+def test_variance_survives_large_offset():
+    sizes = shard_sizes(UNEQUAL, WORLD)
+    x_all = global_batch(3, sum(sizes), (4, 4, 8), offset=1e4, scale=0.1)
+    sync = SyncBatchNormalization(momentum=0.0)  # moving_variance = batch variance
+    sync(x_all[shard_slice(sizes, RANK)], training=True)
+    want = x_all.astype(np.float64).reshape(-1, 8).var(axis=0)
+    rel = np.abs(sync.moving_variance.numpy() - want) / want
+    assert rel.max() <= 1e-4, f"variance relative error {rel.max():.3g} > 1e-4"
+
+
+def small_model(bn=keras.layers.BatchNormalization):
+    inputs = keras.Input((8, 8, 3))
+    x = keras.layers.Conv2D(6, 3, padding="same", use_bias=False)(inputs)
+    x = bn(name="stem_bn")(x)
+    x = keras.layers.ReLU()(x)
+    block = keras.Sequential([keras.layers.Conv2D(6, 3, padding="same"), bn(name="block_bn")], name="block")
+    x = block(x)
+    x = keras.layers.GlobalAveragePooling2D()(x)
+    return keras.Model(inputs, keras.layers.Dense(4)(x), name="small")
+
+
+def test_converter_replaces_nested_bn_and_keeps_weights():
+    keras.utils.set_random_seed(0)
+    model = small_model()
+    x = global_batch(9, 4, (8, 8, 3))
+    model(x, training=True)  # move the moving statistics off their initial values
+    converted = convert_sync_batchnorm(model)
+    kinds = {l.name: type(l) for l in converted.layers}
+    assert kinds["stem_bn"] is SyncBatchNormalization
+    assert type(converted.get_layer("block").get_layer("block_bn")) is SyncBatchNormalization
+    assert type(model.get_layer("stem_bn")) is keras.layers.BatchNormalization  # original untouched
+    for a, b in zip(converted.weights, model.weights):
+        assert a.name == b.name
+        assert_close(a, b, f"weight {a.path}")
+    assert_close(converted(x, training=False), model(x, training=False), "inference output")
+
+
+def test_converter_rejects_what_it_cannot_convert():
+    with pytest.raises(ValueError, match="expected a Sequential or functional keras.Model, got Dense"):
+        convert_sync_batchnorm(keras.layers.Dense(3))
+
+
+def test_keras_file_saved_here_loads_in_a_plain_process(tmp_path_factory):
+    keras.utils.set_random_seed(0)
+    model = small_model(SyncBatchNormalization)
+    sizes = shard_sizes(UNEQUAL, WORLD)
+    x_all = global_batch(11, sum(sizes), (8, 8, 3))
+    model(x_all[shard_slice(sizes, RANK)], training=True)  # synchronised moving statistics
+    path = tmp_path_factory.mktemp(f"save{RANK}") / "model.keras"
+    model.save(path)
+    want = model.predict(x_all, verbose=0)
+    code = (
+        "import sys, numpy as np, keras, hvd_syncbn.tensorflow\n"
+        "m = keras.models.load_model(sys.argv[1])\n"
+        "np.save(sys.argv[2], m.predict(np.load(sys.argv[3]), verbose=0))\n"
+    )
+    np.save(path.with_suffix(".x.npy"), x_all)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "PMIX_", "HOROVOD_"))}
+    out = subprocess.run([sys.executable, "-c", code, str(path), str(path.with_suffix(".y.npy")),
+                          str(path.with_suffix(".x.npy"))], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert_close(np.load(path.with_suffix(".y.npy")), want, "predictions after load in a plain process")
+
+
+@pytest.mark.parametrize(
+    "x, match",
+    [(np.ones((4, 3), np.int32), r"bn_bad: expected a floating-point input .* got int32"),
+     (np.ones((4,), np.float32), r"bn_bad: expected an input with at least 2 dims")],
+    ids=["int", "ndim"],
+)
+def test_bad_input_names_layer(x, match):
+    with pytest.raises(ValueError, match=match):
+        SyncBatchNormalization(name="bn_bad")(x, training=True)
+
+
+@pytest.mark.parametrize("kwargs, match", [(dict(momentum=1.5), r"momentum in \[0, 1\]"),
+                                           (dict(epsilon=0.0), "epsilon > 0"), (dict(renorm=True), "renorm")])
+def test_bad_arguments(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        SyncBatchNormalization(**kwargs)
