@@ -19,7 +19,10 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
-from hvd_syncbn.tensorflow import SyncBatchNormalization, convert_sync_batchnorm  # noqa: E402
+from hvd_syncbn.tensorflow import (  # noqa: E402
+    BroadcastGlobalVariablesCallback, DistributedOptimizer, MetricAverageCallback, SyncBatchNormalization,
+    convert_sync_batchnorm,
+)
 from oracle import EMPTY, UNEQUAL, assert_close, global_batch, shard_sizes, shard_slice  # noqa: E402
 
 hvd = pytest.importorskip("horovod.tensorflow")
@@ -157,7 +160,8 @@ def small_model(bn=keras.layers.BatchNormalization):
     x = keras.layers.Conv2D(6, 3, padding="same", use_bias=False)(inputs)
     x = bn(name="stem_bn")(x)
     x = keras.layers.ReLU()(x)
-    block = keras.Sequential([keras.layers.Conv2D(6, 3, padding="same"), bn(name="block_bn")], name="block")
+    block = keras.Sequential([keras.layers.Conv2D(6, 3, padding="same", use_bias=False), bn(name="block_bn")],
+                             name="block")
     x = block(x)
     x = keras.layers.GlobalAveragePooling2D()(x)
     return keras.Model(inputs, keras.layers.Dense(4)(x), name="small")
@@ -222,3 +226,79 @@ def test_bad_input_names_layer(x, match):
 def test_bad_arguments(kwargs, match):
     with pytest.raises(ValueError, match=match):
         SyncBatchNormalization(**kwargs)
+
+
+# Adam's epsilon is raised from 1e-7: with it, elements whose gradient is float32 noise
+# take full-size random steps, and plain Keras itself then differs from float64 by 1e-3.
+OPTIMIZERS = {"sgd": lambda: keras.optimizers.SGD(0.05, momentum=0.9), "adam": lambda: keras.optimizers.Adam(1e-2, epsilon=1e-3)}
+
+
+def fit_like_one_process(make_model, make_opt, tail, classes, per_rank=2, steps=3, as_accurate_as_float32=False):
+    """``model.fit`` on this rank's slices == one process fitting the whole batches
+    (plain Keras BN, in float64: Keras's float32 variance is itself off by ~1e-5).
+
+    ``as_accurate_as_float32``: for ill-conditioned nets, where float32 rounding alone
+    moves the weights by more than rtol 1e-5, require instead that all weights together
+    (L2) are within 3× of what plain float32 Keras deviates from float64.
+    """
+    keras.utils.set_random_seed(0)
+    sync = convert_sync_batchnorm(make_model())
+    references = {}
+    for dtype in ("float64", "float32") if as_accurate_as_float32 else ("float64",):
+        keras.config.set_dtype_policy(dtype)
+        try:
+            references[dtype] = make_model()
+        finally:
+            keras.config.set_dtype_policy("float32")
+        references[dtype].set_weights(sync.get_weights())
+    if RANK != 0:  # different start: the broadcast must fix it
+        sync.set_weights([w + 0.1 for w in sync.get_weights()])
+    rows = per_rank * WORLD
+    x_all = global_batch(30, rows * steps, tail)
+    y_all = global_batch(31, rows * steps, (classes,))
+    mine = np.concatenate([np.arange(s * rows + RANK * per_rank, s * rows + (RANK + 1) * per_rank)
+                           for s in range(steps)])
+    sync.compile(optimizer=DistributedOptimizer(make_opt()), loss="mse")
+    hist = sync.fit(x_all[mine], y_all[mine], batch_size=per_rank, shuffle=False, verbose=0,
+                    callbacks=[BroadcastGlobalVariablesCallback(0), MetricAverageCallback()])
+    for model in references.values():
+        model.compile(optimizer=make_opt(), loss="mse")
+        model.fit(x_all, y_all, batch_size=rows, shuffle=False, verbose=0)
+    for a, b in zip(sync.weights, references["float64"].weights):
+        if not as_accurate_as_float32:
+            assert_close(a, b, f"{a.path} after {steps} steps, rank {RANK}")
+        same = hvd.broadcast(tf.convert_to_tensor(a), 0, name=f"test.same.{a.path}")
+        assert np.array_equal(same.numpy(), a.numpy()), f"{a.path} differs between rank 0 and rank {RANK}"
+    if as_accurate_as_float32:
+        def distance(model):
+            return np.sqrt(sum(np.sum((np.float64(a.numpy()) - b.numpy()) ** 2)
+                               for a, b in zip(model.weights, references["float64"].weights)))
+
+        err, err32 = distance(sync), distance(references["float32"])
+        assert err <= 3 * err32, f"weights off float64 by {err:.3g} (L2), plain float32 Keras by {err32:.3g}"
+    return hist
+
+
+@pytest.mark.parametrize("opt", OPTIMIZERS)
+def test_model_fit_matches_one_process(opt):
+    hist = fit_like_one_process(small_model, OPTIMIZERS[opt], (8, 8, 3), 4)
+    loss = hvd.allgather(tf.constant([hist.history["loss"][-1]]), name="test.loss").numpy()
+    assert np.allclose(loss, loss[0]), f"MetricAverageCallback left per-rank losses {loss}"
+
+
+def test_converted_keras_application_fits_like_one_process():
+    def make():
+        return keras.applications.MobileNetV2(input_shape=(32, 32, 3), alpha=0.35, weights=None, classes=3)
+
+    # At 32x32 MobileNetV2's last BN layers see 1x1 maps of a few rows: gradients of
+    # ~1e2 whose float32 rounding (~3e-4 relative, plain Keras alike) rtol 1e-5 cannot hold.
+    fit_like_one_process(make, lambda: keras.optimizers.SGD(1e-3), (32, 32, 3), 3, per_rank=4, steps=2,
+                         as_accurate_as_float32=True)
+
+
+def test_distributed_optimizer_saves_as_plain_class_and_rejects_bad_op():
+    opt = DistributedOptimizer(keras.optimizers.Adam(1e-3))
+    assert isinstance(opt, keras.optimizers.Adam) and type(opt).__name__ == "Adam"
+    assert keras.optimizers.serialize(opt)["class_name"] == "Adam"
+    with pytest.raises(ValueError, match="expected op hvd.Average or hvd.Sum"):
+        DistributedOptimizer(keras.optimizers.SGD(), op=hvd.Adasum)

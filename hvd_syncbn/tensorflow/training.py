@@ -1,0 +1,127 @@
+"""Keras 3 training under Horovod: gradient averaging, initial broadcast, global metrics.
+
+Horovod 0.28's ``horovod.tensorflow.keras`` fails under Keras 3 (Horovod issue 4290);
+these pieces use only ``horovod.tensorflow`` ops, which work::
+
+    hvd.init()
+    model.compile(optimizer=DistributedOptimizer(keras.optimizers.SGD(0.1)), loss="mse")
+    model.fit(x, y, callbacks=[BroadcastGlobalVariablesCallback(0), MetricAverageCallback()],
+              verbose=1 if hvd.rank() == 0 else 0)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import keras
+import tensorflow as tf
+
+from .batchnorm import resolve_process_set
+
+import horovod.tensorflow as hvd
+
+
+def DistributedOptimizer(optimizer: keras.optimizers.Optimizer, op: Any = None,
+                         process_set: Any = None) -> keras.optimizers.Optimizer:
+    """A copy of ``optimizer`` that averages gradients over the ranks before applying them.
+
+    All gradients of a step travel in one grouped allreduce, which Horovod fuses into
+    few buffers, not one collective per variable.
+
+    Averaging is per rank (Horovod's convention): exact for the global mean loss when
+    every rank's batch has the same number of rows, as with equal per-rank datasets.
+    With unequal batches, use ``op=hvd.Sum`` and a loss summed over rows
+    (``reduction="sum"``) divided by the *global* row count, which makes the sum exact.
+
+    For ``mixed_float16``, wrap the loss-scale optimizer, not the other way round:
+    ``DistributedOptimizer(keras.optimizers.LossScaleOptimizer(opt))`` reduces the scaled
+    gradients, so every rank sees the same overflow and skips the same steps.
+
+    Args:
+        optimizer: any Keras 3 optimizer (SGD, Adam, AdamW, LossScaleOptimizer, ...).
+        op: ``hvd.Average`` (default) or ``hvd.Sum``.
+        process_set: Horovod process set (or its ranks) to average over. Default: all.
+
+    Returns:
+        An optimizer of a subclass of ``type(optimizer)`` with the same configuration.
+        It saves as the plain class, so checkpoints load without Horovod.
+    """
+    op = hvd.Average if op is None else op
+    if op not in (hvd.Average, hvd.Sum):
+        raise ValueError(f"DistributedOptimizer: expected op hvd.Average or hvd.Sum, got {op!r}")
+    if not isinstance(optimizer, keras.optimizers.Optimizer):
+        raise ValueError(f"DistributedOptimizer: expected a keras.optimizers.Optimizer, got {type(optimizer).__name__}")
+    base = type(optimizer)
+
+    class _Distributed(base):
+        def apply(self, grads, trainable_variables=None):
+            return super().apply(_allreduce_grads(grads, op, process_set), trainable_variables)
+
+    # Save as the plain class: a checkpoint then loads in a process without Horovod.
+    _Distributed.__name__, _Distributed.__qualname__ = base.__name__, base.__qualname__
+    _Distributed.__module__ = base.__module__
+    return _Distributed.from_config(optimizer.get_config())
+
+
+def _allreduce_grads(grads, op, process_set):
+    ps = resolve_process_set(process_set)
+    if ps.size() == 1:
+        return grads
+    grads = list(grads)
+    present = [i for i, g in enumerate(grads) if g is not None]
+    dense = [tf.convert_to_tensor(grads[i]) for i in present]  # IndexedSlices -> dense
+    reduced = hvd.grouped_allreduce(dense, op=op, process_set=ps, name="hvd_syncbn.gradients")
+    for i, g in zip(present, reduced):
+        grads[i] = g
+    return grads
+
+
+class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
+    """At the start of training, copy every model and optimizer variable from ``root_rank``.
+
+    The optimizer's slots are built first, so its state (e.g. a restored Adam) is
+    broadcast too, and every rank starts the first step from the same point.
+
+    Args:
+        root_rank: the rank whose values everyone takes. Default: 0.
+        process_set: Horovod process set (or its ranks). Default: all ranks.
+    """
+
+    def __init__(self, root_rank: int = 0, process_set: Any = None):
+        super().__init__()
+        self.root_rank, self.process_set = root_rank, process_set
+
+    def on_train_begin(self, logs=None):
+        broadcast_variables(self.model, self.root_rank, self.process_set)
+
+
+def broadcast_variables(model: keras.Model, root_rank: int = 0, process_set: Any = None) -> None:
+    """Copy ``model``'s variables and its optimizer's (built if needed) from ``root_rank``."""
+    ps = resolve_process_set(process_set)
+    variables = list(model.variables)
+    optimizer = getattr(model, "optimizer", None)
+    if optimizer is not None:
+        if not optimizer.built:
+            optimizer.build(model.trainable_variables)
+        variables += list(optimizer.variables)
+    for i, v in enumerate(variables):
+        v.assign(hvd.broadcast(tf.convert_to_tensor(v), root_rank, name=f"hvd_syncbn.broadcast.{i}",
+                               process_set=ps))
+
+
+class MetricAverageCallback(keras.callbacks.Callback):
+    """At each epoch's end, replace the logged metrics by their average over the ranks,
+    in one allreduce. Place it before callbacks that read the logs (checkpoints, CSV)."""
+
+    def __init__(self, process_set: Any = None):
+        super().__init__()
+        self.process_set = process_set
+
+    def on_epoch_end(self, epoch, logs=None):
+        if not logs:
+            return
+        keys = sorted(k for k, v in logs.items() if isinstance(v, (int, float)) or hasattr(v, "dtype"))
+        values = tf.stack([tf.cast(logs[k], tf.float64) for k in keys])
+        averaged = hvd.allreduce(values, op=hvd.Average, name="hvd_syncbn.metrics",
+                                 process_set=resolve_process_set(self.process_set)).numpy()
+        logs.update({k: float(v) for k, v in zip(keys, averaged)})
