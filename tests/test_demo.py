@@ -1,0 +1,82 @@
+"""Runs README command 1's demo, examples/torch_segmentation.py, at 2 ranks on tiny data:
+training, --resume, --compare with its plot, and --resume without a checkpoint.
+
+Each test launches ``horovodrun --gloo -np 2`` and reads rank 0's output.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from test_launch import clean_env
+
+ROOT = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+DEMO = ROOT / "examples" / "torch_segmentation.py"
+TIMEOUT_S = 300
+TINY = ["--train-size", "16", "--val-size", "8", "--image-size", "16", "--width", "4"]
+SAME = "BN running statistics identical on all 2 ranks: yes"
+
+
+def run_demo(*args, ok: bool = True) -> str:
+    cmd = [str(BIN / "horovodrun"), "--gloo", "-np", "2", "-H", "localhost:2",
+           sys.executable, str(DEMO), *TINY, *map(str, args)]
+    out = subprocess.run(cmd, cwd=ROOT, env=clean_env(), capture_output=True, text=True, timeout=TIMEOUT_S)
+    log = out.stdout + out.stderr
+    assert (out.returncode == 0) == ok, f"{' '.join(cmd)} exited {out.returncode}:\n{log[-6000:]}"
+    return log
+
+
+def epochs(log: str, bn: str) -> dict:
+    """``{epoch: (train loss, val mIoU)}`` as printed, strings, for ``--bn bn``."""
+    found = re.findall(rf"{bn} BN epoch (\d+)/\d+: train loss (\S+)\s+val mIoU (\S+)", log)
+    return {int(e): (loss, miou) for e, loss, miou in found}
+
+
+@pytest.fixture(scope="module")
+def compared(tmp_path_factory):
+    """One uninterrupted 2-epoch ``--compare`` run: its log and plot path."""
+    tmp = tmp_path_factory.mktemp("compare")
+    plot = tmp / "compare.png"
+    return run_demo("--epochs", 2, "--compare", "--checkpoint-dir", tmp / "ckpt", "--plot", plot), plot
+
+
+def test_compare_writes_plot(compared):
+    log, plot = compared
+    assert "global batch = 2 ranks x 2 images; BN statistics over 4 images (sync) / 2 images (local)" in log
+    assert sorted(epochs(log, "sync")) == [1, 2] and sorted(epochs(log, "local")) == [1, 2], log[-3000:]
+    assert log.count(SAME) == 2, log[-3000:]  # the sync run's two epochs
+    assert "final val mIoU: sync BN" in log
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and plot.stat().st_size > 10_000
+
+
+def test_train_then_resume_matches_uninterrupted(tmp_path, compared):
+    ckpt = tmp_path / "ckpt"
+    first = run_demo("--epochs", 1, "--checkpoint-dir", ckpt)
+    assert sorted(epochs(first, "sync")) == [1] and first.count(SAME) == 1, first[-3000:]
+    assert torch.load(ckpt / "segmentation_sync.pt")["epoch"] == 1
+
+    second = run_demo("--epochs", 2, "--resume", "--checkpoint-dir", ckpt)
+    assert "resumed from epoch 1" in second, second[-3000:]
+    assert sorted(epochs(second, "sync")) == [2] and second.count(SAME) == 1, second[-3000:]
+    # Same data order, weights, Adam state: epoch 2 prints what the uninterrupted run printed.
+    assert epochs(second, "sync")[2] == epochs(compared[0], "sync")[2]
+
+    state = torch.load(ckpt / "segmentation_sync.pt")
+    assert state["epoch"] == 2 and len(state["history"]["miou"]) == 2
+    spec = importlib.util.spec_from_file_location("torch_segmentation", DEMO)
+    demo = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(demo)
+    demo.SegNet(4).load_state_dict(state["model"])  # the plain nn.BatchNorm2d model loads it
+
+
+def test_resume_without_checkpoint_fails(tmp_path):
+    log = run_demo("--resume", "--checkpoint-dir", tmp_path / "empty", ok=False)
+    assert "--resume: no checkpoint at" in log, log[-3000:]
