@@ -7,10 +7,12 @@ set -euo pipefail
 HOROVOD_VERSION=${HOROVOD_VERSION:-0.28.1}
 TORCH_VERSION=${TORCH_VERSION:-2.13.0}
 TF_VERSION=${TF_VERSION:-2.21.*}
+TF_PACKAGE=${TF_PACKAGE:-tensorflow-cpu}   # "tensorflow" for a GPU build
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 VENV=${HVD_SYNCBN_VENV:-$ROOT/.venv}
 CACHE=${HVD_SYNCBN_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/hvd_syncbn}
 PYTHON=${PYTHON:-python3}
+export TF_CPP_MIN_LOG_LEVEL=${TF_CPP_MIN_LOG_LEVEL:-3}
 
 log() { echo "[install] $*" >&2; }
 die() { echo "[install] ERROR: $*" >&2; exit 1; }
@@ -23,6 +25,9 @@ command -v mpirun >/dev/null || missing+=(openmpi-bin)
 command -v g++ >/dev/null || missing+=(g++)
 command -v cmake >/dev/null || missing+=(cmake)
 command -v make >/dev/null || missing+=(make)
+"$PYTHON" -c 'import ensurepip, venv' 2>/dev/null || missing+=(python3-venv)
+[ -n "$("$PYTHON" -c 'import sysconfig; import os; print(os.path.exists(sysconfig.get_paths()["include"] + "/Python.h") or "")')" ] \
+  || missing+=(python3-dev)
 if [ ${#missing[@]} -gt 0 ]; then
   log "apt-get install ${missing[*]}"
   as_root apt-get update -qq
@@ -32,7 +37,7 @@ fi
 # 2. The virtual environment and the Python packages (skipped when already pinned).
 [ -x "$VENV/bin/python" ] || { log "creating $VENV"; "$PYTHON" -m venv "$VENV"; }
 PY="$VENV/bin/python"
-reqs=("torch==$TORCH_VERSION" "tensorflow-cpu==$TF_VERSION" numpy mpi4py pytest matplotlib tqdm
+reqs=("torch==$TORCH_VERSION" "$TF_PACKAGE==$TF_VERSION" numpy mpi4py pytest matplotlib tqdm
       cloudpickle psutil pyyaml packaging cffi)
 stamp="$VENV/.hvd_syncbn-reqs"
 if [ "$(cat "$stamp" 2>/dev/null)" != "${reqs[*]}" ]; then
@@ -45,9 +50,12 @@ fi
 # 3. Horovod, built once per (Horovod, torch, TF, Python) and cached as a wheel.
 versions=$("$PY" - <<'PY'
 import sys, importlib.metadata as m
-print(f"torch{m.version('torch')}-tf{m.version('tensorflow-cpu')}-py{sys.version_info[0]}{sys.version_info[1]}")
+import tensorflow as tf
+print(f"torch{m.version('torch')}-tf{tf.__version__}-py{sys.version_info[0]}{sys.version_info[1]}")
 PY
 )
+gpu=${HOROVOD_GPU_OPERATIONS:+-gpu$HOROVOD_GPU_OPERATIONS}
+versions="$versions$gpu"
 wheel_dir="$CACHE/horovod-$HOROVOD_VERSION-$versions"
 if ! ls "$wheel_dir"/horovod-*.whl >/dev/null 2>&1; then
   log "building Horovod $HOROVOD_VERSION ($versions); this takes about 10 minutes once"
@@ -80,7 +88,7 @@ fi
 
 # 4. The project itself, editable, and a check that Horovod has everything we use.
 "$PY" -m pip install -q --no-deps --no-build-isolation -e "$ROOT" >/dev/null
-check=$(PATH="$VENV/bin:$PATH" "$VENV/bin/horovodrun" --check-build)
+check=$(PATH="$VENV/bin:$PATH" TF_CPP_MIN_LOG_LEVEL=3 "$VENV/bin/horovodrun" --check-build 2>/dev/null)
 for want in TensorFlow PyTorch MPI Gloo; do
   echo "$check" | grep -q "\[X\] $want" || { echo "$check" >&2; die "horovodrun --check-build lacks $want"; }
 done
