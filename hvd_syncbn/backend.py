@@ -59,6 +59,28 @@ def collective_name(layer: str, direction: str) -> str:
     return f"hvd_syncbn.{layer}.{direction}"
 
 
+def pack_moments(xp: ArrayOps, count: Tensor, mean: Tensor, var: Tensor) -> Tensor:
+    """One float64 buffer ``[n, n·mean, n·(var + mean²)]`` of local moments.
+
+    Buffers of several parts (towers, replicas, ranks) combine by summing.
+
+    Shape:
+        - count: ``(1,)``; mean, var: ``(C,)``; returns ``(2C+1,)``.
+    """
+    n, m, v = xp.wide(count), xp.wide(mean), xp.wide(var)
+    return xp.concat([n, n * m, n * (v + m * m)])
+
+
+def unpack_moments(xp: ArrayOps, buf: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
+    """Count, mean and biased variance (clamped at 0) of a summed :func:`pack_moments` buffer."""
+    channels = (buf.shape[0] - 1) // 2
+    total = buf[0:1]
+    safe = xp.maximum(total, 1.0)
+    mean = buf[1 : channels + 1] / safe
+    var = xp.maximum(buf[channels + 1 :] / safe - mean * mean, 0.0)
+    return total, mean, var
+
+
 def sync_moments(
     xp: ArrayOps,
     allreduce_sum: AllreduceSum,
@@ -84,23 +106,25 @@ def sync_moments(
         - count: ``(1,)``; mean, var: ``(C,)``.
         - Returns ``(1,)``, ``(C,)``, ``(C,)``, float64.
     """
-    n, m, v = xp.wide(count), xp.wide(mean), xp.wide(var)
-    buf = allreduce_sum(xp.concat([n, n * m, n * (v + m * m)]), name)  # (2C+1,)
-    channels = (buf.shape[0] - 1) // 2
-    total = buf[0:1]
-    safe = xp.maximum(total, 1.0)
-    g_mean = buf[1 : channels + 1] / safe
-    g_var = xp.maximum(buf[channels + 1 :] / safe - g_mean * g_mean, 0.0)
-    return total, g_mean, g_var
+    return unpack_moments(xp, allreduce_sum(pack_moments(xp, count, mean, var), name))
+
+
+def pack_grad_sums(xp: ArrayOps, sum_dy: Tensor, sum_dy_xhat: Tensor) -> Tensor:
+    """One buffer ``[Σdy, Σdy·x̂]``, ``(2C,)``; buffers of several parts combine by summing."""
+    return xp.concat([sum_dy, sum_dy_xhat])
+
+
+def unpack_grad_sums(buf: Tensor) -> Tuple[Tensor, Tensor]:
+    """``(Σdy, Σdy·x̂)`` of a summed :func:`pack_grad_sums` buffer."""
+    channels = buf.shape[0] // 2
+    return buf[:channels], buf[channels:]
 
 
 def sync_grad_sums(
     xp: ArrayOps, allreduce_sum: AllreduceSum, name: str, sum_dy: Tensor, sum_dy_xhat: Tensor
 ) -> Tuple[Tensor, Tensor]:
     """Global ``Σdy`` and ``Σdy·x̂`` per channel, with one allreduce of ``(2C,)``."""
-    buf = allreduce_sum(xp.concat([sum_dy, sum_dy_xhat]), name)
-    channels = buf.shape[0] // 2
-    return buf[:channels], buf[channels:]
+    return unpack_grad_sums(allreduce_sum(pack_grad_sums(xp, sum_dy, sum_dy_xhat), name))
 
 
 def input_grad_coeffs(

@@ -21,10 +21,14 @@ import tensorflow as tf  # noqa: E402
 
 from hvd_syncbn.tensorflow import (  # noqa: E402
     BroadcastGlobalVariablesCallback, DistributedOptimizer, MetricAverageCallback, SyncBatchNormalization,
-    convert_sync_batchnorm,
+    convert_sync_batchnorm, sync_batch_normalization,
 )
 from oracle import EMPTY, UNEQUAL, assert_close, global_batch, shard_sizes, shard_slice  # noqa: E402
 
+# Two logical CPUs: the towers and tf.distribute replicas of the in-process tests.
+tf.config.set_logical_device_configuration(
+    tf.config.list_physical_devices("CPU")[0], [tf.config.LogicalDeviceConfiguration()] * 2
+)
 hvd = pytest.importorskip("horovod.tensorflow")
 hvd.init()
 RANK, WORLD = hvd.rank(), hvd.size()
@@ -302,3 +306,93 @@ def test_distributed_optimizer_saves_as_plain_class_and_rejects_bad_op():
     assert keras.optimizers.serialize(opt)["class_name"] == "Adam"
     with pytest.raises(ValueError, match="expected op hvd.Average or hvd.Sum"):
         DistributedOptimizer(keras.optimizers.SGD(), op=hvd.Adasum)
+
+
+def tower_shards(towers):
+    """Rows of each (rank, tower) part, rank-major, and this rank's towers' slices."""
+    sizes = shard_sizes(EMPTY, WORLD * towers)
+    return sizes, [shard_slice(sizes, RANK * towers + t) for t in range(towers)]
+
+
+def plain_reference(x_all, r_all, gamma, beta, eps):
+    """Plain Keras BN (float64) on the concatenated batch: y, dx, dγ, dβ, mean, var."""
+    bn = keras.layers.BatchNormalization(epsilon=eps, momentum=0.0, dtype="float64")
+    bn.build(x_all.shape)
+    bn.gamma.assign(gamma), bn.beta.assign(beta)
+    x = tf.constant(x_all, tf.float64)
+    with tf.GradientTape() as tape:
+        tape.watch(x)
+        y = bn(x, training=True)
+        loss = tf.reduce_sum(y * r_all)
+    dx, dg, db = tape.gradient(loss, [x, bn.gamma, bn.beta])
+    return y.numpy(), dx.numpy(), dg.numpy(), db.numpy(), bn.moving_mean.numpy(), bn.moving_variance.numpy()
+
+
+def test_tf1_graph_towers_get_global_statistics():
+    """TF 1 style: a Graph and a Session, towers on two devices, one call with all towers."""
+    towers, eps = 2, 1e-3
+    sizes, mine = tower_shards(towers)
+    x_all, r_all = global_batch(60, sum(sizes), (5,), offset=1.0), global_batch(61, sum(sizes), (5,))
+    gamma, beta = np.linspace(0.5, 1.5, 5), np.linspace(-0.3, 0.3, 5)
+    y_ref, dx_ref, dg_ref, db_ref, mean_ref, var_ref = plain_reference(x_all, r_all, gamma, beta, eps)
+    graph = tf.Graph()
+    with graph.as_default():
+        xs, losses = [], []
+        for t in range(towers):
+            with tf.device(f"/cpu:{t}"):
+                xs.append(tf.compat.v1.placeholder(tf.float32, [None, 5]))
+        g = tf.constant(gamma, tf.float32)
+        b = tf.constant(beta, tf.float32)
+        ys, mean, var = sync_batch_normalization(xs, b, g, eps, name="towers_bn")
+        for t in range(towers):
+            with tf.device(f"/cpu:{t}"):
+                losses.append(tf.reduce_sum(ys[t] * r_all[mine[t]]))
+        grads = tf.compat.v1.gradients(tf.add_n(losses), xs + [g, b])
+        with tf.compat.v1.Session(graph=graph) as sess:
+            out = sess.run([ys, mean, var, grads], {xs[t]: x_all[mine[t]] for t in range(towers)})
+    (ys_v, mean_v, var_v, grads_v) = out
+    for t in range(towers):
+        assert_close(ys_v[t], y_ref[mine[t]], f"tower {t} output, rank {RANK}")
+        assert_close(grads_v[t], dx_ref[mine[t]], f"tower {t} input grad, rank {RANK}")
+    assert_close(mean_v, mean_ref, "global mean")
+    assert_close(var_v, var_ref, "global variance")
+    assert_close(allreduce_sum(grads_v[towers], "towers.dg"), dg_ref, "dgamma summed", atol=1e-5)
+    assert_close(allreduce_sum(grads_v[towers + 1], "towers.db"), db_ref, "dbeta summed", atol=1e-5)
+
+
+def test_mirrored_strategy_replicas_and_ranks_sync_together():
+    """2 replicas per rank (MirroredStrategy on two logical CPUs) x WORLD ranks."""
+    towers, eps = 2, 1e-3
+    sizes, mine = tower_shards(towers)
+    x_all, r_all = global_batch(70, sum(sizes), (3, 4), offset=-2.0), global_batch(71, sum(sizes), (3, 4))
+    gamma, beta = np.linspace(0.5, 1.5, 4), np.linspace(-0.3, 0.3, 4)
+    y_ref, dx_ref, dg_ref, db_ref, mean_ref, var_ref = plain_reference(x_all, r_all, gamma, beta, eps)
+    strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+    with strategy.scope():
+        bn = SyncBatchNormalization(epsilon=eps, momentum=0.0, name="mirrored_bn")
+        bn.build((None, 3, 4))
+        bn.gamma.assign(gamma), bn.beta.assign(beta)
+
+    @tf.function
+    def step(x, r):
+        def replica(x, r):
+            with tf.GradientTape() as tape:
+                tape.watch(x)
+                loss = tf.reduce_sum(bn(x, training=True) * r)
+            y = bn(x, training=False)  # moving statistics = this batch's (momentum 0)
+            return (y, *tape.gradient(loss, [x, bn.gamma, bn.beta]))
+
+        return strategy.run(replica, args=(x, r))
+
+    def per_replica(a):
+        parts = [tf.constant(a[mine[t]]) for t in range(towers)]
+        return strategy.experimental_distribute_values_from_function(lambda ctx: parts[ctx.replica_id_in_sync_group])
+
+    y, dx, dg, db = step(per_replica(x_all), per_replica(r_all))
+    for t in range(towers):
+        assert_close(strategy.experimental_local_results(dx)[t], dx_ref[mine[t]], f"replica {t} input grad")
+    local = [sum(strategy.experimental_local_results(v)) for v in (dg, db)]
+    assert_close(allreduce_sum(local[0], "mirrored.dg"), dg_ref, "dgamma summed", atol=1e-5)
+    assert_close(allreduce_sum(local[1], "mirrored.db"), db_ref, "dbeta summed", atol=1e-5)
+    assert_close(bn.moving_mean, mean_ref, "moving mean = global batch mean")
+    assert_close(bn.moving_variance, var_ref, "moving variance = global batch variance")

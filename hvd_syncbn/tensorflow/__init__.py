@@ -1,12 +1,12 @@
 """TensorFlow/Keras adapter: SyncBatchNormalization, the model converter, the functional op,
 and what ``model.fit`` needs under Horovod with Keras 3."""
 
-from .batchnorm import SyncBatchNormalization, sync_moments_and_normalize
+from .batchnorm import SyncBatchNormalization, sync_batch_normalization
 from .convert import convert_sync_batchnorm
 from .training import (BroadcastGlobalVariablesCallback, DistributedOptimizer, MetricAverageCallback,
                        broadcast_variables)
 
 __all__ = [
-    "SyncBatchNormalization", "convert_sync_batchnorm", "sync_moments_and_normalize",
+    "SyncBatchNormalization", "convert_sync_batchnorm", "sync_batch_normalization",
     "DistributedOptimizer", "BroadcastGlobalVariablesCallback", "MetricAverageCallback", "broadcast_variables",
 ]

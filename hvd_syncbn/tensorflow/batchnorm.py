@@ -70,10 +70,26 @@ def resolve_process_set(process_set: Any) -> Any:
 
 
 def _allreduce_sum(process_set: Any):
-    ps = resolve_process_set(process_set)
+    """Sum over the ranks of ``process_set`` and, inside a ``tf.distribute`` replica
+    context, over the in-process replicas first (one Horovod collective per process)."""
+    active = horovod_active(process_set)
+    ps = resolve_process_set(process_set) if active else None
+
+    def over_ranks(buf: tf.Tensor, name: str) -> tf.Tensor:
+        if not active:
+            return buf
+        return hvd.allreduce(buf, op=hvd.Sum, name=name, process_set=ps, ignore_name_scope=True)
 
     def allreduce_sum(buf: tf.Tensor, name: str) -> tf.Tensor:
-        return hvd.allreduce(buf, op=hvd.Sum, name=name, process_set=ps, ignore_name_scope=True)
+        ctx = tf.distribute.get_replica_context()
+        if ctx is None or ctx.num_replicas_in_sync == 1:
+            return over_ranks(buf, name)
+        buf = ctx.all_reduce(tf.distribute.ReduceOp.SUM, buf)  # every replica: the process sum
+
+        def merge(strategy, summed):
+            return over_ranks(strategy.experimental_local_results(summed)[0], name)
+
+        return ctx.merge_call(merge, args=(buf,))
 
     return allreduce_sum
 
@@ -117,72 +133,105 @@ def _sum(t: tf.Tensor, axes: Sequence[int]) -> tf.Tensor:
     return tf.reshape(tf.reduce_sum(t, axis=axes), [-1])
 
 
-def sync_moments_and_normalize(
-    x: tf.Tensor,
+def _sync_normalize(
+    xs: Sequence[tf.Tensor],
     gamma: Optional[tf.Tensor],
     beta: Optional[tf.Tensor],
     axes: Sequence[int],
     epsilon: float,
     name: str,
     process_set: Any = None,
-    mask: Optional[tf.Tensor] = None,
-) -> Tuple[tf.Tensor, tf.Tensor, tf.Tensor]:
-    """Normalise ``x`` (float32) with the statistics of every rank's rows.
+    masks: Optional[Sequence[Optional[tf.Tensor]]] = None,
+) -> Tuple[list, tf.Tensor, tf.Tensor]:
+    """Normalise every part ``xs[i]`` (towers of one process) with the statistics of all
+    parts on every rank. The parts' buffers are summed in-process, then one allreduce
+    per direction crosses the ranks; the gradient is written by hand.
 
-    Returns ``(y, mean, variance)``, the statistics global and biased. The gradient is
-    written by hand with one packed allreduce of ``[Σdy, Σdy·x̂]``.
+    Returns ``([y_i], mean, variance)``, the statistics global and biased.
 
     Shape:
-        - x: any rank; ``axes`` are the reduction axes (all but the channel axes).
-        - gamma, beta: the channel dims (any shape of ``C`` elements); returned mean
-          and variance: ``(C,)``.
-        - mask: broadcastable to ``x``; 0 leaves a position out of the statistics.
+        - xs[i]: any rank, same channel dims; ``axes`` are the reduction axes.
+        - gamma, beta: ``C`` elements in any shape; returned mean, variance: ``(C,)``.
+        - masks[i]: broadcastable to ``xs[i]``; 0 leaves a position out of the statistics.
     """
-    allreduce = _allreduce_sum(process_set) if horovod_active(process_set) else (lambda buf, _: buf)
-    weights = None if mask is None else tf.cast(mask, x.dtype)
-    inputs = [x] + [tf.reshape(t, [-1]) for t in (gamma, beta) if t is not None]
+    allreduce = _allreduce_sum(process_set)
+    parts = len(xs)
+    weights = [None if m is None else tf.cast(m, x.dtype) for x, m in zip(xs, masks or [None] * parts)]
+    params = [tf.reshape(t, [-1]) for t in (gamma, beta) if t is not None]
 
     @tf.custom_gradient
     def _fn(*inputs):
-        x = inputs[0]
-        g = inputs[1] if gamma is not None else None
-        b = inputs[-1] if beta is not None else None
-        count, mean, var = _local_moments(x, axes, weights)
-        total, g_mean, g_var = backend.sync_moments(
-            _ops, allreduce, backend.collective_name(name, "fwd"), count, mean, var
+        xs, params = inputs[:parts], inputs[parts:]
+        g = params[0] if gamma is not None else None
+        b = params[-1] if beta is not None else None
+        local = [backend.pack_moments(_ops, *_local_moments(x, axes, w)) for x, w in zip(xs, weights)]
+        total, mean, var = backend.unpack_moments(
+            _ops, allreduce(tf.add_n(local), backend.collective_name(name, "fwd"))
         )
-        total, mean, var = (tf.cast(t, x.dtype) for t in (total, g_mean, g_var))
+        dtype = xs[0].dtype
+        total, mean, var = (tf.cast(t, dtype) for t in (total, mean, var))
         invstd = tf.math.rsqrt(var + epsilon)
-        xhat = (x - _keep(mean, x, axes)) * _keep(invstd, x, axes)
-        y = xhat
-        if g is not None:
-            y = y * _keep(g, x, axes)
-        if b is not None:
-            y = y + _keep(b, x, axes)
+        xhats = [(x - _keep(mean, x, axes)) * _keep(invstd, x, axes) for x in xs]
+        ys = []
+        for x, xhat in zip(xs, xhats):
+            y = xhat if g is None else xhat * _keep(g, x, axes)
+            ys.append(y if b is None else y + _keep(b, x, axes))
 
-        def grad(dy, _dmean, _dvar):
+        def grad(*upstream):
+            dys = upstream[:parts]  # the rest are d(mean), d(variance): not differentiated
             # Masked positions are normalised too: their dy enters every sum, while
-            # only unmasked positions moved the statistics (hence ``weights`` below).
-            sum_dy = _sum(dy, axes)
-            sum_dy_xhat = _sum(dy * xhat, axes)
-            g_dy, g_dy_xhat = backend.sync_grad_sums(
-                _ops, allreduce, backend.collective_name(name, "bwd"), sum_dy, sum_dy_xhat
-            )
+            # only unmasked positions moved the statistics (hence ``w`` below).
+            sums = [(_sum(dy, axes), _sum(dy * xhat, axes)) for dy, xhat in zip(dys, xhats)]
+            g_dy, g_dy_xhat = backend.unpack_grad_sums(allreduce(
+                tf.add_n([backend.pack_grad_sums(_ops, *s) for s in sums]), backend.collective_name(name, "bwd")
+            ))
             k, s, t = backend.input_grad_coeffs(total, invstd, g, g_dy, g_dy_xhat)
-            stat_part = _keep(s, x, axes) * xhat + _keep(t, x, axes)
-            if weights is not None:
-                stat_part = stat_part * weights
-            dx = _keep(k, x, axes) * dy + stat_part
-            grads = [dx]
+            dxs = []
+            for x, xhat, dy, w in zip(xs, xhats, dys, weights):
+                stat = _keep(s, x, axes) * xhat + _keep(t, x, axes)
+                dxs.append(_keep(k, x, axes) * dy + (stat if w is None else stat * w))
+            dparams = []
             if g is not None:
-                grads.append(sum_dy_xhat)
+                dparams.append(tf.add_n([s[1] for s in sums]))
             if b is not None:
-                grads.append(sum_dy)
-            return grads
+                dparams.append(tf.add_n([s[0] for s in sums]))
+            return dxs + dparams
 
-        return (y, mean, var), grad
+        return (*ys, mean, var), grad
 
-    return _fn(*inputs)
+    out = _fn(*xs, *params)
+    return list(out[:parts]), out[parts], out[parts + 1]
+
+
+def sync_batch_normalization(x, offset, scale, variance_epsilon, axis=-1, name="sync_batch_normalization",
+                             process_set=None):
+    """``tf.nn.batch_normalization`` with the batch statistics computed for you, globally.
+
+    The mean and variance are those of every row of ``x`` on every Horovod rank (and of
+    every tower, when ``x`` is a list of per-tower tensors built in one graph, as in
+    TF 1 multi-GPU code), so no tower or rank has to gather anything. Works in eager
+    mode, ``tf.function`` and ``tf.compat.v1`` graphs.
+
+    Args:
+        x: a tensor, or a list of tower tensors with the same channel dims.
+        offset: ``β`` (``C`` elements) or ``None``.
+        scale: ``γ`` (``C`` elements) or ``None``.
+        variance_epsilon: added to the variance.
+        axis: the channel axis, or a list of them. Default: -1.
+        name: the collective's name, the same on every rank, unique per call site.
+        process_set: Horovod process set (or its ranks). Default: all ranks.
+
+    Returns:
+        ``(y, mean, variance)``: ``y`` like ``x`` (a list for a list); the global batch
+        mean and biased variance, ``(C,)``, e.g. for moving averages.
+    """
+    parts = list(x) if isinstance(x, (list, tuple)) else [x]
+    ndim = len(parts[0].shape)
+    channel = {a % ndim for a in ([axis] if isinstance(axis, int) else axis)}
+    axes = [a for a in range(ndim) if a not in channel]
+    ys, mean, var = _sync_normalize([tf.convert_to_tensor(p) for p in parts], scale, offset, axes,
+                                    variance_epsilon, name, process_set)
+    return (ys if isinstance(x, (list, tuple)) else ys[0]), mean, var
 
 
 @keras.saving.register_keras_serializable(package="hvd_syncbn")
@@ -274,8 +323,8 @@ class SyncBatchNormalization(keras.layers.BatchNormalization):
         if mask is not None:
             mask = tf.expand_dims(tf.cast(mask, x.dtype), -1)
         if sync:
-            y, mean, var = sync_moments_and_normalize(
-                x, self.gamma, self.beta, axes, self.epsilon, self.name, self.process_set, mask
+            (y,), mean, var = _sync_normalize(
+                [x], self.gamma, self.beta, axes, self.epsilon, self.name, self.process_set, [mask]
             )
             for moving, new in ((self.moving_mean, mean), (self.moving_variance, var)):
                 new = tf.cast(tf.reshape(new, moving.shape), moving.dtype)
