@@ -87,7 +87,11 @@ if ! "$PY" -c 'import horovod' 2>/dev/null; then
 fi
 
 # 4. The project itself, editable, and a check that Horovod has everything we use.
-"$PY" -m pip install -q --no-deps --no-build-isolation -e "$ROOT" >/dev/null
+here=$(cd /tmp && "$PY" -c 'import hvd_syncbn, os; print(os.path.dirname(os.path.dirname(hvd_syncbn.__file__)))' 2>/dev/null || true)
+if [ "$here" != "$ROOT" ]; then
+  "$PY" -m pip install -q --no-deps --no-build-isolation -e "$ROOT" >/dev/null 2>&1 \
+    || "$PY" -m pip install --no-deps --no-build-isolation -e "$ROOT"
+fi
 check=$(PATH="$VENV/bin:$PATH" TF_CPP_MIN_LOG_LEVEL=3 "$VENV/bin/horovodrun" --check-build 2>/dev/null)
 for want in TensorFlow PyTorch MPI Gloo; do
   echo "$check" | grep -q "\[X\] $want" || { echo "$check" >&2; die "horovodrun --check-build lacks $want"; }
