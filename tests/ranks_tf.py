@@ -8,6 +8,7 @@ in float64 (Keras's float32 variance, ``E[x²] − E[x]²``, is itself off by ~1
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -25,6 +26,7 @@ from hvd_syncbn.tensorflow import (  # noqa: E402
 )
 from oracle import EMPTY, UNEQUAL, assert_close, global_batch, shard_sizes, shard_slice  # noqa: E402
 
+os.environ.setdefault("HOROVOD_TIMELINE", "DYNAMIC")
 # Two logical CPUs: the towers and tf.distribute replicas of the in-process tests.
 tf.config.set_logical_device_configuration(
     tf.config.list_physical_devices("CPU")[0], [tf.config.LogicalDeviceConfiguration()] * 2
@@ -234,7 +236,11 @@ def test_bad_arguments(kwargs, match):
 
 # Adam's epsilon is raised from 1e-7: with it, elements whose gradient is float32 noise
 # take full-size random steps, and plain Keras itself then differs from float64 by 1e-3.
-OPTIMIZERS = {"sgd": lambda: keras.optimizers.SGD(0.05, momentum=0.9), "adam": lambda: keras.optimizers.Adam(1e-2, epsilon=1e-3)}
+OPTIMIZERS = {
+    "sgd": lambda: keras.optimizers.SGD(0.05, momentum=0.9),
+    "adam": lambda: keras.optimizers.Adam(1e-2, epsilon=1e-3),
+    "adamw": lambda: keras.optimizers.AdamW(1e-2, weight_decay=0.01, epsilon=1e-3),
+}
 
 
 def fit_like_one_process(make_model, make_opt, tail, classes, per_rank=2, steps=3, as_accurate_as_float32=False):
@@ -396,3 +402,65 @@ def test_mirrored_strategy_replicas_and_ranks_sync_together():
     assert_close(allreduce_sum(local[1], "mirrored.db"), db_ref, "dbeta summed", atol=1e-5)
     assert_close(bn.moving_mean, mean_ref, "moving mean = global batch mean")
     assert_close(bn.moving_variance, var_ref, "moving variance = global batch variance")
+
+
+def test_gradients_travel_in_few_collectives_not_one_per_variable(tmp_path_factory):
+    """Counted in Horovod's timeline: distinct collective executions for the gradients."""
+    keras.utils.set_random_seed(0)
+    model = convert_sync_batchnorm(small_model())
+    model.compile(optimizer=DistributedOptimizer(keras.optimizers.SGD(0.01)), loss="mse")
+    x, y = global_batch(80, 4, (8, 8, 3)), global_batch(81, 4, (4,))
+    model.fit(x, y, batch_size=2, verbose=0)  # trace and warm up
+    path = str(tmp_path_factory.mktemp(f"tl{RANK}") / "timeline.json")
+    hvd.start_timeline(path, mark_cycles=False)
+    model.fit(x, y, batch_size=2, verbose=0)  # 2 steps
+    hvd.allreduce(tf.ones(1), name="test.flush")
+    hvd.stop_timeline()
+    if RANK != 0:
+        return
+    text = open(path).read().rstrip().rstrip(",")
+    events = json.loads(text if text.endswith("]") else text + "]")
+    names = {e["pid"]: e["args"].get("name", "") for e in events if e.get("name") == "process_name"}
+    grads = {pid for pid, n in names.items() if "hvd_syncbn.gradients" in n}
+    starts = sorted(e["ts"] for e in events if e.get("pid") in grads and e.get("ph") == "B"
+                    and e.get("name", "").endswith("_ALLREDUCE") and e["name"] != "NEGOTIATE_ALLREDUCE")
+    # Tensors fused into one collective start within microseconds of each other.
+    runs = [t for i, t in enumerate(starts) if i == 0 or t - starts[i - 1] > 100]
+    variables = len(model.trainable_variables)
+    if WORLD == 1:
+        assert not grads, "one rank needs no gradient collective"
+    else:
+        assert len(grads) >= variables, f"expected every gradient in the timeline, saw {len(grads)}"
+        assert 1 <= len(runs) <= 2 * 2, f"{len(runs)} gradient collectives in 2 steps for {variables} variables"
+
+
+def test_mixed_float16_fit_with_loss_scaling():
+    keras.utils.set_random_seed(0)
+    keras.config.set_dtype_policy("mixed_float16")
+    try:
+        model = convert_sync_batchnorm(small_model())
+    finally:
+        keras.config.set_dtype_policy("float32")
+    opt = DistributedOptimizer(keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.05)))
+    model.compile(optimizer=opt, loss="mse")
+    rows = 2 * WORLD
+    x, y = global_batch(90, rows * 2, (8, 8, 3)), global_batch(91, rows * 2, (4,))
+    mine = np.concatenate([np.arange(s * rows + RANK * 2, s * rows + RANK * 2 + 2) for s in range(2)])
+    model.fit(x[mine], y[mine], batch_size=2, verbose=0, callbacks=[BroadcastGlobalVariablesCallback(0)])
+    assert model.get_layer("stem_bn").compute_dtype == "float16"
+    for w in model.weights:
+        assert np.all(np.isfinite(w.numpy())), w.path
+        same = hvd.broadcast(tf.convert_to_tensor(w), 0, name=f"test.mixed.{w.path}")
+        assert np.array_equal(same.numpy(), w.numpy()), f"{w.path} differs between rank 0 and rank {RANK}"
+
+
+def test_distributed_optimizer_takes_a_process_set_by_ranks():
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+    model.compile(optimizer=DistributedOptimizer(keras.optimizers.SGD(0.1), process_set=list(range(WORLD))),
+                  loss="mse")
+    x = global_batch(95 + RANK, 4, (3,))  # different data per rank, averaged gradients
+    model.fit(x, x[:, :2], batch_size=4, verbose=0, callbacks=[BroadcastGlobalVariablesCallback(0)])
+    for w in model.weights:
+        same = hvd.broadcast(tf.convert_to_tensor(w), 0, name=f"test.ps.{w.path}")
+        assert np.array_equal(same.numpy(), w.numpy()), f"{w.path} differs between rank 0 and rank {RANK}"
