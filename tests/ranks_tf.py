@@ -243,7 +243,8 @@ OPTIMIZERS = {
 }
 
 
-def fit_like_one_process(make_model, make_opt, tail, classes, per_rank=2, steps=3, as_accurate_as_float32=False):
+def fit_like_one_process(make_model, make_opt, tail, classes, per_rank=2, steps=3, as_accurate_as_float32=False,
+                         pattern=None):
     """``model.fit`` on this rank's slices == one process fitting the whole batches
     (plain Keras BN, in float64: Keras's float32 variance is itself off by ~1e-5).
 
@@ -263,13 +264,19 @@ def fit_like_one_process(make_model, make_opt, tail, classes, per_rank=2, steps=
         references[dtype].set_weights(sync.get_weights())
     if RANK != 0:  # different start: the broadcast must fix it
         sync.set_weights([w + 0.1 for w in sync.get_weights()])
-    rows = per_rank * WORLD
+    sizes = shard_sizes(pattern or [per_rank], WORLD)  # rows per rank in every step
+    rows, part = sum(sizes), shard_slice(sizes, RANK)
     x_all = global_batch(30, rows * steps, tail)
     y_all = global_batch(31, rows * steps, (classes,))
-    mine = np.concatenate([np.arange(s * rows + RANK * per_rank, s * rows + (RANK + 1) * per_rank)
-                           for s in range(steps)])
-    sync.compile(optimizer=DistributedOptimizer(make_opt()), loss="mse")
-    hist = sync.fit(x_all[mine], y_all[mine], batch_size=per_rank, shuffle=False, verbose=0,
+    mine = np.concatenate([np.arange(s * rows + part.start, s * rows + part.stop) for s in range(steps)])
+    if pattern is None:  # equal shards: the default per-rank average is exact
+        sync.compile(optimizer=DistributedOptimizer(make_opt()), loss="mse")
+    else:  # unequal shards: sum the gradients of each rank's share of the global mean loss
+        def share_of_global_mse(y, p):
+            return tf.reduce_sum(tf.square(y - p)) / (rows * classes)
+
+        sync.compile(optimizer=DistributedOptimizer(make_opt(), op=hvd.Sum), loss=share_of_global_mse)
+    hist = sync.fit(x_all[mine], y_all[mine], batch_size=max(sizes[RANK], 1), shuffle=False, verbose=0,
                     callbacks=[BroadcastGlobalVariablesCallback(0), MetricAverageCallback()])
     for model in references.values():
         model.compile(optimizer=make_opt(), loss="mse")
@@ -287,6 +294,10 @@ def fit_like_one_process(make_model, make_opt, tail, classes, per_rank=2, steps=
         err, err32 = distance(sync), distance(references["float32"])
         assert err <= 3 * err32, f"weights off float64 by {err:.3g} (L2), plain float32 Keras by {err32:.3g}"
     return hist
+
+
+def test_model_fit_with_unequal_shards_and_op_sum_matches_one_process():
+    fit_like_one_process(small_model, OPTIMIZERS["sgd"], (8, 8, 3), 4, pattern=UNEQUAL)
 
 
 @pytest.mark.parametrize("opt", OPTIMIZERS)

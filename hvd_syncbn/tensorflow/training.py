@@ -28,10 +28,11 @@ def DistributedOptimizer(optimizer: keras.optimizers.Optimizer, op: Any = None,
     All gradients of a step travel in one grouped allreduce, which Horovod fuses into
     few buffers, not one collective per variable.
 
-    Averaging is per rank (Horovod's convention): exact for the global mean loss when
-    every rank's batch has the same number of rows, as with equal per-rank datasets.
-    With unequal batches, use ``op=hvd.Sum`` and a loss summed over rows
-    (``reduction="sum"``) divided by the *global* row count, which makes the sum exact.
+    The default averages per rank (Horovod's convention): exact for the global mean
+    loss when every rank's batch has the same number of rows. With unequal batches,
+    averaging per rank over-weights the small ones; use ``op=hvd.Sum`` with a loss that
+    is this rank's share of the global mean (its rows' summed loss divided by the
+    *global* row count), and the sum is exactly the one-process gradient.
 
     For ``mixed_float16``, wrap the loss-scale optimizer, not the other way round:
     ``DistributedOptimizer(keras.optimizers.LossScaleOptimizer(opt))`` reduces the scaled
