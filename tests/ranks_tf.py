@@ -200,12 +200,14 @@ def test_keras_file_saved_here_loads_in_a_plain_process(tmp_path_factory):
     sizes = shard_sizes(UNEQUAL, WORLD)
     x_all = global_batch(11, sum(sizes), (8, 8, 3))
     model(x_all[shard_slice(sizes, RANK)], training=True)  # synchronised moving statistics
+    model.compile(optimizer=DistributedOptimizer(keras.optimizers.Adam()), loss="mse")  # saved with it
     path = tmp_path_factory.mktemp(f"save{RANK}") / "model.keras"
     model.save(path)
     want = model.predict(x_all, verbose=0)
     code = (
         "import sys, numpy as np, keras, hvd_syncbn.tensorflow\n"
         "m = keras.models.load_model(sys.argv[1])\n"
+        "assert type(m.optimizer) is keras.optimizers.Adam, type(m.optimizer)\n"
         "np.save(sys.argv[2], m.predict(np.load(sys.argv[3]), verbose=0))\n"
     )
     np.save(path.with_suffix(".x.npy"), x_all)
