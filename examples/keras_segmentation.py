@@ -1,0 +1,394 @@
+"""Keras segmentation on generated shapes with 2 images per rank: synchronized vs local BN.
+
+    horovodrun -np 2 python examples/keras_segmentation.py                   # sync BN, 3 epochs
+    horovodrun -np 2 python examples/keras_segmentation.py --bn local        # plain per-rank BN
+    horovodrun -np 2 python examples/keras_segmentation.py --resume --epochs 5
+    horovodrun -np 2 python examples/keras_segmentation.py --compare         # both, then a plot
+    bash launch/demo.sh keras [args]                                         # set up, then line 1
+
+The Keras 3 twin of examples/torch_segmentation.py: same data recipe, network, flags and
+printed lines. Noisy images with circles, squares and triangles are generated, labelled
+per pixel (background + 3 classes), the same on every rank for a given ``--seed`` (numpy
+draws them, so they are not the torch demo's images). Each rank runs ``model.fit`` on
+its own equal shard with ``--batch-size`` images per step (default 2), so plain
+``BatchNormalization`` normalises over 2 images, SyncBatchNormalization over all
+ranks' images. After each epoch rank 0 prints the mean training loss (averaged over the
+ranks) and the validation mIoU in inference mode (every rank scores a slice; the
+confusion matrices are summed), checks that every BN moving statistic is the same on all
+ranks (with ``--bn local`` they differ, and rank 0's are kept), and saves a checkpoint:
+a ``.keras`` model with its optimizer state, which loads without Horovod once
+``hvd_syncbn.tensorflow`` is imported, and a JSON file naming it, written last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # before TensorFlow is imported
+
+import numpy as np  # noqa: E402
+import keras  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+import horovod.tensorflow as hvd  # noqa: E402
+from hvd_syncbn.tensorflow import (BroadcastGlobalVariablesCallback, DistributedOptimizer,  # noqa: E402
+                                   MetricAverageCallback, convert_sync_batchnorm)
+
+CLASSES = ("background", "circle", "square", "triangle")
+EVAL_BATCH = 16
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--bn", choices=["sync", "local"], default="sync",
+                        help="sync: BN statistics over all ranks; local: over this rank's batch")
+    parser.add_argument("--epochs", type=int, default=3)
+    parser.add_argument("--batch-size", type=int, default=2, help="images per rank per step")
+    parser.add_argument("--train-size", type=int, default=320, help="training images, split over ranks")
+    parser.add_argument("--val-size", type=int, default=96)
+    parser.add_argument("--image-size", type=int, default=64)
+    parser.add_argument("--width", type=int, default=16, help="channels of the first conv")
+    parser.add_argument("--lr", type=float, default=2e-3)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=1, help="TensorFlow threads per rank")
+    parser.add_argument("--checkpoint-dir", type=Path, default=Path("checkpoints"))
+    parser.add_argument("--resume", action="store_true", help="continue from the checkpoint of this --bn")
+    parser.add_argument("--compare", action="store_true",
+                        help="then train the other --bn from the same initial weights and plot both")
+    parser.add_argument("--plot", type=Path, default=Path("results/demo_compare_keras.png"))
+    args = parser.parse_args()
+    if args.compare and args.resume:
+        parser.error("--compare trains both runs from the same initial weights; drop --resume")
+    if args.image_size % 4:
+        parser.error(f"--image-size must be a multiple of 4 (two 2x poolings), got {args.image_size}")
+    if args.threads < 1:
+        parser.error(f"--threads must be at least 1, got {args.threads}")
+    return args
+
+
+# ---------------------------------------------------------------------------- data
+
+
+def shape_mask(cls: int, dx: np.ndarray, dy: np.ndarray, r: float) -> np.ndarray:
+    """Pixels inside a circle, square or upward triangle of radius ``r``; ``dx, dy`` are
+    offsets from its centre, ``(H, W)`` each."""
+    if cls == 1:
+        return dx**2 + dy**2 <= r**2
+    if cls == 2:
+        return (np.abs(dx) <= r) & (np.abs(dy) <= r)
+    return (dy <= r) & (np.abs(dx) <= (dy + r) / 2)  # apex at (0, -r), base at dy = r
+
+
+def make_shapes(n: int, size: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """``n`` images ``(n, size, size, 3)`` of 2-4 bright shapes on a dark noisy background,
+    and their labels ``(n, size, size)``: index into :data:`CLASSES`. Deterministic in ``seed``."""
+    rng = np.random.default_rng(seed)
+    yy, xx = np.mgrid[0:size, 0:size].astype(np.float32)  # (H, W) each
+    images = np.empty((n, size, size, 3), np.float32)
+    labels = np.zeros((n, size, size), np.int32)
+    for i in range(n):
+        img = np.broadcast_to(0.4 * rng.random(3, np.float32), (size, size, 3)).copy()  # (H, W, 3)
+        for _ in range(int(rng.integers(2, 5))):
+            cls = int(rng.integers(1, len(CLASSES)))
+            r = size * (0.08 + 0.1 * rng.random())
+            cy, cx = r + (size - 2 * r) * rng.random(2)
+            mask = shape_mask(cls, xx - cx, yy - cy, r)  # (H, W); later shapes cover earlier
+            img[mask] = 0.5 + 0.5 * rng.random(3, np.float32)
+            labels[i][mask] = cls
+        images[i] = img + 0.15 * rng.standard_normal((size, size, 3), np.float32)
+    return images, labels
+
+
+def epoch_order(n: int, epoch: int, seed: int, steps: int, batch: int) -> np.ndarray:
+    """This rank's image indices for ``epoch``, ``(steps * batch,)``: like PyTorch's
+    ``DistributedSampler(shuffle=True, drop_last=True)``, one permutation per epoch shared
+    by all ranks, dealt out round-robin, so every rank gets the same number of steps."""
+    perm = np.random.default_rng([seed, epoch]).permutation(n)
+    mine = perm[: n - n % hvd.size()][hvd.rank() :: hvd.size()]
+    return mine[: steps * batch]
+
+
+def train_dataset(images: np.ndarray, labels: np.ndarray, first: int, last: int, args: argparse.Namespace,
+                  steps: int) -> tf.data.Dataset:
+    """Batches for epochs ``first..last`` in a row; ``fit(steps_per_epoch=steps)`` keeps one
+    iterator over them, so epoch ``e``'s order does not depend on where training started."""
+    order = np.concatenate([epoch_order(len(images), e, args.seed, steps, args.batch_size)
+                            for e in range(first, last + 1)])
+    x, y = tf.constant(images), tf.constant(labels)
+    options = tf.data.Options()
+    options.threading.private_threadpool_size = args.threads
+    return (tf.data.Dataset.from_tensor_slices(order).batch(args.batch_size)
+            .map(lambda i: (tf.gather(x, i), tf.gather(y, i)))  # (b, H, W, 3), (b, H, W)
+            .prefetch(1).with_options(options))
+
+
+# --------------------------------------------------------------------------- model
+
+
+def conv_bn_relu(x, filters: int, name: str):
+    # Keras momentum is the weight of the old value: 0.9 is PyTorch's default momentum=0.1.
+    x = keras.layers.Conv2D(filters, 3, padding="same", use_bias=False, name=f"{name}_conv")(x)
+    x = keras.layers.BatchNormalization(momentum=0.9, epsilon=1e-5, name=f"{name}_bn")(x)
+    return keras.layers.ReLU(name=f"{name}_relu")(x)
+
+
+def seg_net(width: int, size: int, classes: int = len(CLASSES)) -> keras.Model:
+    """A small U-Net: three scales, skip connections, BatchNormalization after every 3x3
+    conv. Layers are named, so the SyncBN collectives are the same in every build."""
+    w = width
+    inputs = keras.Input((size, size, 3), name="image")  # (N, H, W, 3)
+    e1 = conv_bn_relu(conv_bn_relu(inputs, w, "enc1a"), w, "enc1b")  # (N, H, W, w)
+    p1 = keras.layers.MaxPooling2D(name="pool1")(e1)
+    e2 = conv_bn_relu(conv_bn_relu(p1, 2 * w, "enc2a"), 2 * w, "enc2b")  # (N, H/2, W/2, 2w)
+    p2 = keras.layers.MaxPooling2D(name="pool2")(e2)
+    e3 = conv_bn_relu(conv_bn_relu(p2, 4 * w, "enc3a"), 4 * w, "enc3b")  # (N, H/4, W/4, 4w)
+    u2 = keras.layers.Concatenate(name="skip2")([keras.layers.UpSampling2D(name="up2")(e3), e2])
+    d2 = conv_bn_relu(u2, 2 * w, "dec2")  # (N, H/2, W/2, 2w)
+    u1 = keras.layers.Concatenate(name="skip1")([keras.layers.UpSampling2D(name="up1")(d2), e1])
+    d1 = conv_bn_relu(u1, w, "dec1")  # (N, H, W, w)
+    logits = keras.layers.Conv2D(classes, 1, name="head")(d1)  # (N, H, W, classes)
+    return keras.Model(inputs, logits, name="seg_net")
+
+
+def build_model(args: argparse.Namespace, bn: str, weights: list | None = None) -> keras.Model:
+    """The U-Net with ``weights`` (if given), converted to SyncBN for ``bn == "sync"``, compiled."""
+    model = seg_net(args.width, args.image_size)
+    if weights is not None:
+        model.set_weights(weights)
+    if bn == "sync":
+        model = convert_sync_batchnorm(model)
+    # No XLA: Horovod's collectives have no XLA kernels (and XLA is off on CPU anyway).
+    model.compile(optimizer=DistributedOptimizer(keras.optimizers.Adam(args.lr)),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True), jit_compile=False)
+    return model
+
+
+def bn_moving_stats(model: keras.Model) -> list:
+    """Every BN layer's moving_mean and moving_variance variables."""
+    return [v for layer in model.layers if isinstance(layer, keras.layers.BatchNormalization)
+            for v in (layer.moving_mean, layer.moving_variance)]
+
+
+# ---------------------------------------------------------------------- checks, IO
+
+
+def packed(variables: list) -> tf.Tensor:
+    """The variables' values, flattened into one float64 vector."""
+    return tf.concat([tf.reshape(tf.cast(v, tf.float64), [-1]) for v in variables], 0)  # (total,)
+
+
+def bn_spread(model: keras.Model) -> tuple[float, str]:
+    """Largest max-minus-min over ranks of any BN moving statistic, and where it is.
+
+    Two packed allreduces (max and min); every rank gets the same answer.
+    """
+    stats = bn_moving_stats(model)
+    flat = packed(stats)
+    hi = hvd.allreduce(flat, op=hvd.Max, name="bn_check.max")
+    lo = hvd.allreduce(flat, op=hvd.Min, name="bn_check.min")
+    per_var = [float(tf.reduce_max(d)) for d in tf.split(hi - lo, [int(np.prod(v.shape)) for v in stats])]
+    worst = int(np.argmax(per_var))
+    return per_var[worst], stats[worst].path
+
+
+def broadcast_bn_stats(model: keras.Model) -> None:
+    """Every rank takes rank 0's BN moving statistics, in one packed broadcast."""
+    stats = bn_moving_stats(model)
+    flat = hvd.broadcast(packed(stats), root_rank=0, name="bn_check.rank0")
+    for v, part in zip(stats, tf.split(flat, [int(np.prod(v.shape)) for v in stats])):
+        v.assign(tf.cast(tf.reshape(part, v.shape), v.dtype))
+
+
+def evaluate(model: keras.Model, images: np.ndarray, labels: np.ndarray) -> np.ndarray:
+    """Per-class IoU ``(classes,)`` on the whole set, in inference mode (moving statistics):
+    each rank scores every ``size``-th image and the confusion matrices are summed over ranks."""
+    k = len(CLASSES)
+    mine = slice(hvd.rank(), None, hvd.size())
+    x_all, y_all = images[mine], labels[mine]
+    confusion = np.zeros(k * k, np.int64)
+    for i in range(0, len(x_all), EVAL_BATCH):
+        pred = np.argmax(model(x_all[i : i + EVAL_BATCH], training=False), -1)  # (n, H, W)
+        confusion += np.bincount((y_all[i : i + EVAL_BATCH] * k + pred).ravel(), minlength=k * k)
+    confusion = hvd.allreduce(tf.constant(confusion), op=hvd.Sum, name="val.confusion")
+    confusion = confusion.numpy().reshape(k, k).astype(np.float64)  # (true, predicted)
+    hits = np.diag(confusion)
+    with np.errstate(invalid="ignore"):  # a class in neither truth nor prediction: NaN
+        return hits / (confusion.sum(0) + confusion.sum(1) - hits)
+
+
+def atomic_write(path: Path, write) -> None:
+    """``write(tmp)`` a temporary file beside ``path``, then rename: a crash never leaves a torn file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=path.suffix)
+    os.close(fd)
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def save_checkpoint(meta_path: Path, model: keras.Model, meta: dict) -> None:
+    """Rank 0: the model for this epoch, then the JSON that names it. The JSON is the commit
+    point: whenever a run stops, it names a complete model of the epoch it states."""
+    name = f"{meta_path.stem}.epoch{meta['epoch']}.keras"
+    atomic_write(meta_path.parent / name, lambda tmp: model.save(tmp))  # weights + optimizer state
+    atomic_write(meta_path, lambda tmp: Path(tmp).write_text(json.dumps({**meta, "model": name}, indent=1)))
+    for old in meta_path.parent.glob(f"{meta_path.stem}.epoch*.keras"):
+        if old.name != name:
+            old.unlink()
+
+
+def load_checkpoint(meta_path: Path, model: keras.Model) -> tuple[int, dict]:
+    """Rank 0 loads the model and optimizer state named by ``meta_path``; every rank gets
+    its epoch and history. ``BroadcastGlobalVariablesCallback`` then copies rank 0's state."""
+    meta = None
+    if hvd.rank() == 0 and meta_path.exists():
+        meta = json.loads(meta_path.read_text())
+        model.optimizer.build(model.trainable_variables)  # its variables must exist to be loaded
+        model.load_weights(meta_path.parent / meta["model"])
+        meta = (meta["epoch"], meta["history"])
+    meta = hvd.broadcast_object(meta, root_rank=0, name="resume.meta")
+    if meta is None:
+        if hvd.rank() == 0:
+            print(f"--resume: no checkpoint at {meta_path}; run once without --resume", file=sys.stderr)
+        sys.exit(2)
+    return meta
+
+
+def log(msg: str) -> None:
+    """Print on rank 0, in one write: under mpirun stdout is a pty, and ``print``'s separate
+    writes of text and newline each get their own ``[1,0]<stdout>:`` tag."""
+    if hvd.rank() == 0:
+        sys.stdout.write(msg + "\n")
+        sys.stdout.flush()
+
+
+# -------------------------------------------------------------------------- train
+
+
+class EpochEnd(keras.callbacks.Callback):
+    """After each epoch: record the (rank-averaged) loss, check the BN moving statistics,
+    score the validation set, print, checkpoint. Every rank runs the collectives."""
+
+    def __init__(self, bn: str, args: argparse.Namespace, val_set: tuple, meta_path: Path, history: dict):
+        super().__init__()
+        self.bn, self.args, self.val_set, self.meta_path, self.history = bn, args, val_set, meta_path, history
+
+    def on_epoch_end(self, epoch, logs=None):
+        epoch += 1  # Keras counts from 0
+        self.history["loss"].append(float(logs["loss"]))  # already averaged by MetricAverageCallback
+
+        spread, where = bn_spread(self.model)
+        if spread == 0:
+            log(f"BN moving statistics identical on all {hvd.size()} ranks: yes")
+        elif self.bn == "local":  # expected: each rank's BN saw only its own images
+            log(f"BN moving statistics identical on all {hvd.size()} ranks: no (local BN; largest "
+                f"difference {spread:.3g} in {where}); evaluating and saving rank 0's")
+            broadcast_bn_stats(self.model)
+        else:
+            log(f"BN moving statistics identical on all {hvd.size()} ranks: NO (largest difference "
+                f"{spread:.3g} in {where}): SyncBatchNormalization is not synchronising")
+            sys.exit(1)
+
+        iou = evaluate(self.model, *self.val_set)
+        self.history["miou"].append(float(np.nanmean(iou)))
+        logs["val_miou"] = self.history["miou"][-1]
+        per_class = " ".join(f"{c}={v:.3f}" for c, v in zip(CLASSES, iou))
+        log(f"{self.bn} BN epoch {epoch}/{self.args.epochs}: train loss {self.history['loss'][-1]:.4f}  "
+            f"val mIoU {self.history['miou'][-1]:.4f}  ({per_class})")
+        if hvd.rank() == 0:
+            save_checkpoint(self.meta_path, self.model, {"epoch": epoch, "bn": self.bn, "history": self.history})
+
+
+def train(model: keras.Model, bn: str, args: argparse.Namespace, train_set: tuple, val_set: tuple,
+          resume: bool = False) -> dict:
+    """Train ``model`` for ``args.epochs`` epochs with ``model.fit``; returns the per-epoch history."""
+    meta_path = args.checkpoint_dir / f"keras_segmentation_{bn}.json"
+    start, history = 0, {"loss": [], "miou": []}
+    if resume:
+        start, history = load_checkpoint(meta_path, model)
+        todo = f"epochs {start + 1}..{args.epochs} to go" if start < args.epochs else "raise --epochs"
+        log(f"resumed from epoch {start} ({meta_path}); {todo}")
+    if start >= args.epochs:
+        return history
+
+    steps = len(train_set[0]) // hvd.size() // args.batch_size
+    callbacks = [BroadcastGlobalVariablesCallback(0), MetricAverageCallback()]
+    if hvd.rank() == 0:  # before EpochEnd, so the bar ends before our lines
+        callbacks.append(keras.callbacks.ProgbarLogger())
+    callbacks.append(EpochEnd(bn, args, val_set, meta_path, history))
+    model.fit(train_dataset(*train_set, start + 1, args.epochs, args, steps), epochs=args.epochs,
+              initial_epoch=start, steps_per_epoch=steps, shuffle=False, callbacks=callbacks,
+              verbose=1 if hvd.rank() == 0 else 0)
+    return history
+
+
+def plot(histories: dict, path: Path, title: str) -> None:
+    """Per-epoch training loss and validation mIoU of each run, side by side, as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_loss, ax_iou) = plt.subplots(1, 2, figsize=(10, 4))
+    for label, h in histories.items():
+        epochs = range(1, len(h["loss"]) + 1)
+        ax_loss.plot(epochs, h["loss"], marker="o", label=label)
+        ax_iou.plot(epochs, h["miou"], marker="o", label=label)
+    ax_loss.set(xlabel="epoch", ylabel="mean training loss", title="training loss")
+    ax_iou.set(xlabel="epoch", ylabel="mIoU", title="validation mIoU (inference mode)")
+    for ax in (ax_loss, ax_iou):
+        ax.grid(alpha=0.3)
+        ax.legend()
+        ax.xaxis.get_major_locator().set_params(integer=True)
+    fig.suptitle(title)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def main() -> None:
+    args = parse_args()
+    tf.config.threading.set_intra_op_parallelism_threads(args.threads)  # before any TF op
+    tf.config.threading.set_inter_op_parallelism_threads(args.threads)
+    hvd.init()
+    n, b = hvd.size(), args.batch_size
+    if args.train_size // n < b:
+        sys.exit(f"--train-size {args.train_size} gives each of {n} ranks fewer than --batch-size {b} images")
+    log(f"global batch = {n} ranks x {b} images; BN statistics over {n * b} images (sync) / {b} images (local)")
+
+    train_set = make_shapes(args.train_size, args.image_size, 2 * args.seed)
+    val_set = make_shapes(args.val_size, args.image_size, 2 * args.seed + 1)
+    keras.utils.set_random_seed(args.seed)
+    init = seg_net(args.width, args.image_size).get_weights()  # for --compare: both runs start from these
+    model = build_model(args, args.bn, init)
+    log(f"data: {args.train_size} train / {args.val_size} val images {args.image_size}x{args.image_size}x3, "
+        f"{len(CLASSES)} classes; {len(bn_moving_stats(model)) // 2} BN layers, --bn {args.bn}; "
+        f"{sum(int(np.prod(v.shape)) for v in model.trainable_weights)} parameters; {args.threads} thread(s)/rank")
+
+    histories = {args.bn: train(model, args.bn, args, train_set, val_set, resume=args.resume)}
+    if args.compare:
+        other = "local" if args.bn == "sync" else "sync"
+        log(f"--compare: training --bn {other} from the same initial weights")
+        model = build_model(args, other, init)
+        histories[other] = train(model, other, args, train_set, val_set)
+        log("final val mIoU: " + ", ".join(f"{k} BN {h['miou'][-1]:.4f}" for k, h in histories.items()))
+        if hvd.rank() == 0:
+            images = {"sync": n * b, "local": b}
+            title = (f"Keras, {n} ranks x {b} images per rank: BN statistics over {n * b} (sync) "
+                     f"vs {b} (local) images")
+            plot({f"{k} BN ({images[k]} images)": h for k, h in histories.items()}, args.plot, title)
+            log(f"wrote {args.plot}")
+
+
+if __name__ == "__main__":
+    main()
