@@ -21,7 +21,7 @@ COPY . /opt/hvd_syncbn
 RUN bash launch/install.sh && rm -rf /tmp/hvd_syncbn-cache /root/.cache/pip \
     && "${HVD_SYNCBN_VENV}/bin/python" -c "import hvd_syncbn.torch, hvd_syncbn.tensorflow"
 
-RUN useradd --create-home --shell /bin/bash app && chown -R app /opt/hvd_syncbn
-USER app
+RUN useradd --create-home --uid 1000 --shell /bin/bash app && chown -R app /opt/hvd_syncbn
+USER 1000
 ENV PATH=/opt/hvd_syncbn/.venv/bin:${PATH} OMP_NUM_THREADS=1
 CMD ["horovodrun", "--check-build"]

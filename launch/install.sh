@@ -75,7 +75,8 @@ if ! ls "$wheel_dir"/horovod-*.whl >/dev/null 2>&1; then
   export CMAKE_POLICY_VERSION_MINIMUM=3.5
   export HOROVOD_WITH_PYTORCH=1 HOROVOD_WITH_TENSORFLOW=1 HOROVOD_WITH_GLOO=1 \
          HOROVOD_WITH_MPI=1 HOROVOD_WITHOUT_MXNET=1
-  export MAKEFLAGS="-j$(nproc)"
+  MAKEFLAGS="-j$(nproc)"
+  export MAKEFLAGS
   (cd "$src" && "$PY" -m pip wheel -q --no-build-isolation --no-deps -w "$build/dist" .) \
     || die "Horovod build failed (see the compiler output above)"
   mkdir -p "$wheel_dir"

