@@ -11,8 +11,8 @@
 #   ranks run on this machine (-H localhost:N).
 # - Neither --gloo nor --mpi: horovodrun picks MPI when Horovod was built with it and
 #   mpirun works, else Gloo.
-# - HOROVOD_CYCLE_TIME defaults to 0.1 (ms) when unset, as in mpirun.sh (launch/README.md
-#   says why); horovodrun hands the ranks this whole environment, on every host.
+# - HOROVOD_CYCLE_TIME, when set, reaches every rank (launch/README.md: when 0.1 ms pays);
+#   horovodrun hands the ranks this whole environment, on every host.
 # - The repo's virtual environment ($HVD_SYNCBN_VENV, default .venv/) goes first on PATH.
 set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -24,7 +24,6 @@ usage() {
 }
 
 [ -d "$VENV/bin" ] && export PATH="$VENV/bin:$PATH"
-export HOROVOD_CYCLE_TIME=${HOROVOD_CYCLE_TIME:-0.1}
 
 dry_run=0 np='' hostfile='' hosts='' seen_sep=0
 opts=()

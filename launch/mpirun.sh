@@ -13,9 +13,9 @@
 # - -x: mpirun hands a remote rank only the variables named with -x, one name each, so
 #   PATH, LD_LIBRARY_PATH (when set) and every HOROVOD_* and NCCL_* variable set here
 #   are named one by one.
-# - HOROVOD_CYCLE_TIME defaults to 0.1 (ms) when unset: each SyncBN layer makes one small
-#   allreduce per direction on the critical path, and Horovod starts it on its next
-#   background cycle (1 ms by default): see launch/README.md.
+# - HOROVOD_CYCLE_TIME, when set, reaches every rank with the other HOROVOD_* variables:
+#   each SyncBN layer waits for Horovod's next background cycle per direction (1 ms by
+#   default); launch/README.md says when a shorter cycle pays and when it costs.
 # - Your own `-mca pml X` / `-mca btl X` (or --mca) replace the defaults above.
 # - The repo's virtual environment ($HVD_SYNCBN_VENV, default .venv/) goes first on PATH.
 set -euo pipefail
@@ -28,7 +28,6 @@ usage() {
 }
 
 [ -d "$VENV/bin" ] && export PATH="$VENV/bin:$PATH"
-export HOROVOD_CYCLE_TIME=${HOROVOD_CYCLE_TIME:-0.1}
 
 dry_run=0 user_pml=0 user_btl=0 seen_sep=0
 opts=()

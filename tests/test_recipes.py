@@ -163,7 +163,8 @@ def printed_command(out: subprocess.CompletedProcess, tag: str) -> list:
 
 def test_mpirun_wrapper_flags():
     out = run("bash", "launch/mpirun.sh", "--dry-run", "-np", "4", "-x", "OMP_NUM_THREADS", "--",
-              "python", "train.py", "--lr", "0.1", NCCL_DEBUG="INFO", NCCL_SOCKET_IFNAME="eth0", LD_LIBRARY_PATH="/x")
+              "python", "train.py", "--lr", "0.1", NCCL_DEBUG="INFO", NCCL_SOCKET_IFNAME="eth0", LD_LIBRARY_PATH="/x",
+              HOROVOD_CYCLE_TIME="0.5")
     cmd = printed_command(out, "mpirun.sh")
     pairs = {tuple(cmd[i:i + 2]) for i in range(len(cmd) - 1)}
     for flag in [("-bind-to", "none"), ("-map-by", "slot"), ("-np", "4"), ("pml", "ob1"), ("btl", "^openib")]:
@@ -203,7 +204,7 @@ PROBE = ("import os, horovod.torch as hvd; hvd.init(); "  # one write, so --tag-
 def test_wrapper_runs_ranks_with_cycle_time(wrapper, args):
     # PATH without the venv: the wrapper puts it there itself.
     path = os.pathsep.join(p for p in os.environ.get("PATH", "").split(os.pathsep) if Path(p) != BIN)
-    out = run("bash", f"launch/{wrapper}", *args, "--", "python", "-c", PROBE, PATH=path)
+    out = run("bash", f"launch/{wrapper}", *args, "--", "python", "-c", PROBE, PATH=path, HOROVOD_CYCLE_TIME="0.5")
     assert out.returncode == 0, f"exit {out.returncode}:\n{out.stdout[-3000:]}{out.stderr[-3000:]}"
     probes = sorted(re.findall(r"probe (\d) (\d) (\S+)$", out.stdout, re.M))
-    assert probes == [("0", "2", "0.1"), ("1", "2", "0.1")], out.stdout[-3000:]
+    assert probes == [("0", "2", "0.5"), ("1", "2", "0.5")], out.stdout[-3000:]
