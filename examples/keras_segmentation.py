@@ -26,7 +26,6 @@ import argparse
 import json
 import os
 import sys
-import tempfile
 from pathlib import Path
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # before TensorFlow is imported
@@ -39,49 +38,23 @@ import horovod.tensorflow as hvd  # noqa: E402
 from hvd_syncbn.tensorflow import (BroadcastGlobalVariablesCallback, DistributedOptimizer,  # noqa: E402
                                    MetricAverageCallback, convert_sync_batchnorm)
 
-CLASSES = ("background", "circle", "square", "triangle")
-EVAL_BATCH = 16
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # also when loaded by path
+from demo_common import (CLASSES, EVAL_BATCH, arg_parser, atomic_write, check_global_batch,  # noqa: E402
+                         iou_from_confusion, parse_checked, rank0_log, report_compare, shape_mask)
+
+log = rank0_log(hvd.rank)
 
 
 def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--bn", choices=["sync", "local"], default="sync",
-                        help="sync: BN statistics over all ranks; local: over this rank's batch")
-    parser.add_argument("--epochs", type=int, default=3)
-    parser.add_argument("--batch-size", type=int, default=2, help="images per rank per step")
-    parser.add_argument("--train-size", type=int, default=320, help="training images, split over ranks")
-    parser.add_argument("--val-size", type=int, default=96)
-    parser.add_argument("--image-size", type=int, default=64)
-    parser.add_argument("--width", type=int, default=16, help="channels of the first conv")
-    parser.add_argument("--lr", type=float, default=2e-3)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--threads", type=int, default=1, help="TensorFlow threads per rank")
-    parser.add_argument("--checkpoint-dir", type=Path, default=Path("checkpoints"))
-    parser.add_argument("--resume", action="store_true", help="continue from the checkpoint of this --bn")
-    parser.add_argument("--compare", action="store_true",
-                        help="then train the other --bn from the same initial weights and plot both")
-    parser.add_argument("--plot", type=Path, default=Path("results/demo_compare_keras.png"))
-    args = parser.parse_args()
-    if args.compare and args.resume:
-        parser.error("--compare trains both runs from the same initial weights; drop --resume")
-    if args.image_size % 4:
-        parser.error(f"--image-size must be a multiple of 4 (two 2x poolings), got {args.image_size}")
+    parser = arg_parser(__doc__, threads_help="TensorFlow threads per rank",
+                        plot=Path("results/demo_compare_keras.png"))
+    args = parse_checked(parser)
     if args.threads < 1:
         parser.error(f"--threads must be at least 1, got {args.threads}")
     return args
 
 
 # ---------------------------------------------------------------------------- data
-
-
-def shape_mask(cls: int, dx: np.ndarray, dy: np.ndarray, r: float) -> np.ndarray:
-    """Pixels inside a circle, square or upward triangle of radius ``r``; ``dx, dy`` are
-    offsets from its centre, ``(H, W)`` each."""
-    if cls == 1:
-        return dx**2 + dy**2 <= r**2
-    if cls == 2:
-        return (np.abs(dx) <= r) & (np.abs(dy) <= r)
-    return (dy <= r) & (np.abs(dx) <= (dy + r) / 2)  # apex at (0, -r), base at dy = r
 
 
 def make_shapes(n: int, size: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
@@ -215,24 +188,7 @@ def evaluate(model: keras.Model, images: np.ndarray, labels: np.ndarray) -> np.n
         pred = np.argmax(model(x_all[i : i + EVAL_BATCH], training=False), -1)  # (n, H, W)
         confusion += np.bincount((y_all[i : i + EVAL_BATCH] * k + pred).ravel(), minlength=k * k)
     confusion = hvd.allreduce(tf.constant(confusion), op=hvd.Sum, name="val.confusion")
-    confusion = confusion.numpy().reshape(k, k).astype(np.float64)  # (true, predicted)
-    hits = np.diag(confusion)
-    with np.errstate(invalid="ignore"):  # a class in neither truth nor prediction: NaN
-        return hits / (confusion.sum(0) + confusion.sum(1) - hits)
-
-
-def atomic_write(path: Path, write) -> None:
-    """``write(tmp)`` a temporary file beside ``path``, then rename: a crash never leaves a torn file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=path.suffix)
-    os.close(fd)
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    return iou_from_confusion(confusion.numpy().reshape(k, k))  # (true, predicted)
 
 
 def save_checkpoint(meta_path: Path, model: keras.Model, meta: dict) -> None:
@@ -261,14 +217,6 @@ def load_checkpoint(meta_path: Path, model: keras.Model) -> tuple[int, dict]:
             print(f"--resume: no checkpoint at {meta_path}; run once without --resume", file=sys.stderr)
         sys.exit(2)
     return meta
-
-
-def log(msg: str) -> None:
-    """Print on rank 0, in one write: under mpirun stdout is a pty, and ``print``'s separate
-    writes of text and newline each get their own ``[1,0]<stdout>:`` tag."""
-    if hvd.rank() == 0:
-        sys.stdout.write(msg + "\n")
-        sys.stdout.flush()
 
 
 # -------------------------------------------------------------------------- train
@@ -331,40 +279,12 @@ def train(model: keras.Model, bn: str, args: argparse.Namespace, train_set: tupl
     return history
 
 
-def plot(histories: dict, path: Path, title: str) -> None:
-    """Per-epoch training loss and validation mIoU of each run, side by side, as a PNG."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (ax_loss, ax_iou) = plt.subplots(1, 2, figsize=(10, 4))
-    for label, h in histories.items():
-        epochs = range(1, len(h["loss"]) + 1)
-        ax_loss.plot(epochs, h["loss"], marker="o", label=label)
-        ax_iou.plot(epochs, h["miou"], marker="o", label=label)
-    ax_loss.set(xlabel="epoch", ylabel="mean training loss", title="training loss")
-    ax_iou.set(xlabel="epoch", ylabel="mIoU", title="validation mIoU (inference mode)")
-    for ax in (ax_loss, ax_iou):
-        ax.grid(alpha=0.3)
-        ax.legend()
-        ax.xaxis.get_major_locator().set_params(integer=True)
-    fig.suptitle(title)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-
-
 def main() -> None:
     args = parse_args()
     tf.config.threading.set_intra_op_parallelism_threads(args.threads)  # before any TF op
     tf.config.threading.set_inter_op_parallelism_threads(args.threads)
     hvd.init()
-    n, b = hvd.size(), args.batch_size
-    if args.train_size // n < b:
-        sys.exit(f"--train-size {args.train_size} gives each of {n} ranks fewer than --batch-size {b} images")
-    log(f"global batch = {n} ranks x {b} images; BN statistics over {n * b} images (sync) / {b} images (local)")
+    check_global_batch(args, hvd.size(), log)
 
     train_set = make_shapes(args.train_size, args.image_size, 2 * args.seed)
     val_set = make_shapes(args.val_size, args.image_size, 2 * args.seed + 1)
@@ -381,13 +301,8 @@ def main() -> None:
         log(f"--compare: training --bn {other} from the same initial weights")
         model = build_model(args, other, init)
         histories[other] = train(model, other, args, train_set, val_set)
-        log("final val mIoU: " + ", ".join(f"{k} BN {h['miou'][-1]:.4f}" for k, h in histories.items()))
-        if hvd.rank() == 0:
-            images = {"sync": n * b, "local": b}
-            title = (f"Keras, {n} ranks x {b} images per rank: BN statistics over {n * b} (sync) "
-                     f"vs {b} (local) images")
-            plot({f"{k} BN ({images[k]} images)": h for k, h in histories.items()}, args.plot, title)
-            log(f"wrote {args.plot}")
+        report_compare(histories, args, hvd.size(), hvd.rank() == 0, log, title_prefix="Keras, ",
+                       eval_mode="inference mode")
 
 
 if __name__ == "__main__":

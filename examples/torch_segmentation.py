@@ -20,9 +20,7 @@ from __future__ import annotations
 
 import argparse
 import copy
-import os
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
@@ -34,47 +32,19 @@ from tqdm import tqdm
 import horovod.torch as hvd
 from hvd_syncbn.torch import convert_sync_batchnorm
 
-CLASSES = ("background", "circle", "square", "triangle")
-EVAL_BATCH = 16
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # also when loaded by path (the tests do)
+from demo_common import (CLASSES, EVAL_BATCH, arg_parser, atomic_write, check_global_batch,  # noqa: E402
+                         iou_from_confusion, parse_checked, rank0_log, report_compare, shape_mask)
+
+log = rank0_log(hvd.rank)
 
 
 def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--bn", choices=["sync", "local"], default="sync",
-                        help="sync: BN statistics over all ranks; local: over this rank's batch")
-    parser.add_argument("--epochs", type=int, default=3)
-    parser.add_argument("--batch-size", type=int, default=2, help="images per rank per step")
-    parser.add_argument("--train-size", type=int, default=320, help="training images, split over ranks")
-    parser.add_argument("--val-size", type=int, default=96)
-    parser.add_argument("--image-size", type=int, default=64)
-    parser.add_argument("--width", type=int, default=16, help="channels of the first conv")
-    parser.add_argument("--lr", type=float, default=2e-3)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
-    parser.add_argument("--checkpoint-dir", type=Path, default=Path("checkpoints"))
-    parser.add_argument("--resume", action="store_true", help="continue from the checkpoint of this --bn")
-    parser.add_argument("--compare", action="store_true",
-                        help="then train the other --bn from the same initial weights and plot both")
-    parser.add_argument("--plot", type=Path, default=Path("results/demo_compare.png"))
-    args = parser.parse_args()
-    if args.compare and args.resume:
-        parser.error("--compare trains both runs from the same initial weights; drop --resume")
-    if args.image_size % 4:
-        parser.error(f"--image-size must be a multiple of 4 (two 2x poolings), got {args.image_size}")
-    return args
+    return parse_checked(arg_parser(__doc__, threads_help="torch threads per rank",
+                                    plot=Path("results/demo_compare.png")))
 
 
 # ---------------------------------------------------------------------------- data
-
-
-def shape_mask(cls: int, dx: torch.Tensor, dy: torch.Tensor, r: float) -> torch.Tensor:
-    """Pixels inside a circle, square or upward triangle of radius ``r``; ``dx, dy`` are
-    offsets from its centre, ``(H, W)`` each."""
-    if cls == 1:
-        return dx**2 + dy**2 <= r**2
-    if cls == 2:
-        return (dx.abs() <= r) & (dy.abs() <= r)
-    return (dy <= r) & (dx.abs() <= (dy + r) / 2)  # apex at (0, -r), base at dy = r
 
 
 def make_shapes(n: int, size: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -170,21 +140,11 @@ def evaluate(model: nn.Module, images: torch.Tensor, labels: torch.Tensor) -> to
         confusion += torch.bincount((y_all[i : i + EVAL_BATCH] * k + pred).flatten(), minlength=k * k)
     model.train()
     confusion = hvd.allreduce(confusion, op=hvd.Sum, name="val.confusion").view(k, k)  # (true, predicted)
-    hits = confusion.diag().double()
-    return hits / (confusion.sum(0) + confusion.sum(1) - confusion.diag()).double()
+    return torch.from_numpy(iou_from_confusion(confusion.numpy()))
 
 
 def save_checkpoint(path: Path, state: dict) -> None:
-    """Write to a temporary file beside ``path``, then rename: a crash never leaves a torn file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            torch.save(state, f)
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
+    atomic_write(path, lambda tmp: torch.save(state, tmp))
 
 
 def load_checkpoint(path: Path, model: nn.Module, opt: torch.optim.Optimizer) -> tuple[int, dict]:
@@ -202,14 +162,6 @@ def load_checkpoint(path: Path, model: nn.Module, opt: torch.optim.Optimizer) ->
             print(f"--resume: no checkpoint at {path}; run once without --resume", file=sys.stderr)
         sys.exit(2)
     return meta
-
-
-def log(msg: str) -> None:
-    """Print on rank 0, in one write: under mpirun stdout is a pty, and ``print``'s separate
-    writes of text and newline each get their own ``[1,0]<stdout>:`` tag."""
-    if hvd.rank() == 0:
-        sys.stdout.write(msg + "\n")
-        sys.stdout.flush()
 
 
 # -------------------------------------------------------------------------- train
@@ -269,39 +221,11 @@ def train(model: nn.Module, bn: str, args: argparse.Namespace, train_set: Tensor
     return history
 
 
-def plot(histories: dict, path: Path, title: str) -> None:
-    """Per-epoch training loss and validation mIoU of each run, side by side, as a PNG."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (ax_loss, ax_iou) = plt.subplots(1, 2, figsize=(10, 4))
-    for label, h in histories.items():
-        epochs = range(1, len(h["loss"]) + 1)
-        ax_loss.plot(epochs, h["loss"], marker="o", label=label)
-        ax_iou.plot(epochs, h["miou"], marker="o", label=label)
-    ax_loss.set(xlabel="epoch", ylabel="mean training loss", title="training loss")
-    ax_iou.set(xlabel="epoch", ylabel="mIoU", title="validation mIoU (eval mode)")
-    for ax in (ax_loss, ax_iou):
-        ax.grid(alpha=0.3)
-        ax.legend()
-        ax.xaxis.get_major_locator().set_params(integer=True)
-    fig.suptitle(title)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-
-
 def main() -> None:
     args = parse_args()
     hvd.init()
     torch.set_num_threads(args.threads)
-    n, b = hvd.size(), args.batch_size
-    if args.train_size // n < b:
-        sys.exit(f"--train-size {args.train_size} gives each of {n} ranks fewer than --batch-size {b} images")
-    log(f"global batch = {n} ranks x {b} images; BN statistics over {n * b} images (sync) / {b} images (local)")
+    check_global_batch(args, hvd.size(), log)
 
     train_set = TensorDataset(*make_shapes(args.train_size, args.image_size, 2 * args.seed))
     val_set = make_shapes(args.val_size, args.image_size, 2 * args.seed + 1)
@@ -320,12 +244,7 @@ def main() -> None:
         model = build_model(args.width, other)
         model.load_state_dict(init)
         histories[other] = train(model, other, args, train_set, val_set)
-        log("final val mIoU: " + ", ".join(f"{k} BN {h['miou'][-1]:.4f}" for k, h in histories.items()))
-        if hvd.rank() == 0:
-            images = {"sync": n * b, "local": b}
-            title = f"{n} ranks x {b} images per rank: BN statistics over {n * b} (sync) vs {b} (local) images"
-            plot({f"{k} BN ({images[k]} images)": h for k, h in histories.items()}, args.plot, title)
-            log(f"wrote {args.plot}")
+        report_compare(histories, args, hvd.size(), hvd.rank() == 0, log, title_prefix="", eval_mode="eval mode")
 
 
 if __name__ == "__main__":

@@ -15,33 +15,18 @@
 #   horovodrun hands the ranks this whole environment, on every host.
 # - The repo's virtual environment ($HVD_SYNCBN_VENV, default .venv/) goes first on PATH.
 set -euo pipefail
-ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-VENV=${HVD_SYNCBN_VENV:-$ROOT/.venv}
-
-usage() {
-  sed -n '2,7p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//' >&2
-  exit 2
-}
-
-[ -d "$VENV/bin" ] && export PATH="$VENV/bin:$PATH"
-
-dry_run=0 np='' hostfile='' hosts='' seen_sep=0
-opts=()
-while [ $# -gt 0 ]; do
+np='' hostfile='' hosts=''
+option() {  # one horovodrun option at "$@"; sets take (launch/_common.sh)
   case $1 in
-    --) shift; seen_sep=1; break ;;
-    --dry-run) dry_run=1; shift ;;
-    -h|--help) usage ;;
-    -np|--num-proc) np=${2:?"$1 needs a number"}; shift 2 ;;
-    -hostfile|--hostfile) hostfile=${2:?"$1 needs a file"}; shift 2 ;;
-    -H|--hosts) hosts=${2:?"$1 needs host:slots,..."}; opts+=("$1" "$2"); shift 2 ;;
-    *) opts+=("$1"); shift ;;
+    -np|--num-proc) np=${2:?"$1 needs a number"}; take=2 ;;
+    -hostfile|--hostfile) hostfile=${2:?"$1 needs a file"}; take=2 ;;
+    -H|--hosts) hosts=${2:?"$1 needs host:slots,..."}; opts+=("$1" "$2"); take=2 ;;
+    *) opts+=("$1"); take=1 ;;
   esac
-done
-if [ "$seen_sep" = 0 ] || [ $# -eq 0 ]; then
-  echo "horovodrun.sh: expected '-- COMMAND...' after the options (got: ${opts[*]:-nothing})" >&2
-  usage
-fi
+}
+source "$(dirname "${BASH_SOURCE[0]}")/_common.sh"
+parse_args "$@"
+
 if [ -n "$hostfile" ]; then
   [ -r "$hostfile" ] || { echo "horovodrun.sh: hostfile $hostfile not readable" >&2; exit 2; }
   # Lines "host slots=N"; a host without slots= counts 1, as horovodrun reads it.
@@ -51,9 +36,4 @@ fi
 np=${np:-1}
 [ -n "$hostfile" ] || [ -n "$hosts" ] || opts=(-H "localhost:$np" "${opts[@]}")
 
-cmd=(horovodrun -np "$np" "${opts[@]}" "$@")
-printf '[horovodrun.sh]' >&2
-printf ' %q' "${cmd[@]}" >&2
-printf '\n' >&2
-[ "$dry_run" = 1 ] && exit 0
-exec "${cmd[@]}"
+run_command horovodrun -np "$np" "${opts[@]}" "${command[@]}"

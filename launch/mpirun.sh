@@ -19,35 +19,19 @@
 # - Your own `-mca pml X` / `-mca btl X` (or --mca) replace the defaults above.
 # - The repo's virtual environment ($HVD_SYNCBN_VENV, default .venv/) goes first on PATH.
 set -euo pipefail
-ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-VENV=${HVD_SYNCBN_VENV:-$ROOT/.venv}
-
-usage() {
-  sed -n '2,7p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//' >&2
-  exit 2
-}
-
-[ -d "$VENV/bin" ] && export PATH="$VENV/bin:$PATH"
-
-dry_run=0 user_pml=0 user_btl=0 seen_sep=0
-opts=()
-while [ $# -gt 0 ]; do
+user_pml=0 user_btl=0
+option() {  # one mpirun option at "$@"; sets take (launch/_common.sh)
   case $1 in
-    --) shift; seen_sep=1; break ;;
-    --dry-run) dry_run=1; shift ;;
-    -h|--help) usage ;;
     -mca|--mca)
       [ $# -ge 3 ] || { echo "mpirun.sh: $1 needs a name and a value" >&2; exit 2; }
       [ "$2" = pml ] && user_pml=1
       [ "$2" = btl ] && user_btl=1
-      opts+=("$1" "$2" "$3"); shift 3 ;;
-    *) opts+=("$1"); shift ;;
+      opts+=("$1" "$2" "$3"); take=3 ;;
+    *) opts+=("$1"); take=1 ;;
   esac
-done
-if [ "$seen_sep" = 0 ] || [ $# -eq 0 ]; then
-  echo "mpirun.sh: expected '-- COMMAND...' after the options (got: ${opts[*]:-nothing})" >&2
-  usage
-fi
+}
+source "$(dirname "${BASH_SOURCE[0]}")/_common.sh"
+parse_args "$@"
 
 cmd=(mpirun)
 [ "$(id -u)" = 0 ] && cmd+=(--allow-run-as-root)
@@ -59,10 +43,6 @@ cmd+=(-x PATH)
 while IFS= read -r name; do
   cmd+=(-x "$name")
 done < <(compgen -e | grep -E '^(HOROVOD|NCCL)_' | sort)
-cmd+=("${opts[@]}" "$@")
+cmd+=("${opts[@]}" "${command[@]}")
 
-printf '[mpirun.sh]' >&2
-printf ' %q' "${cmd[@]}" >&2
-printf '\n' >&2
-[ "$dry_run" = 1 ] && exit 0
-exec "${cmd[@]}"
+run_command "${cmd[@]}"

@@ -44,6 +44,16 @@ def epochs(log: str, bn: str) -> dict:
     return {int(e): (loss, miou) for e, loss, miou in found}
 
 
+def check_compare(log: str, plot: Path, same: str) -> None:
+    """A 2-epoch ``--compare`` run printed both runs' epochs, ``same`` (BN statistics agree)
+    once per sync epoch, the final mIoU line, and wrote its plot."""
+    assert "global batch = 2 ranks x 2 images; BN statistics over 4 images (sync) / 2 images (local)" in log
+    assert sorted(epochs(log, "sync")) == [1, 2] and sorted(epochs(log, "local")) == [1, 2], log[-3000:]
+    assert log.count(same) == 2, log[-3000:]  # the sync run's two epochs
+    assert "final val mIoU: sync BN" in log
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and plot.stat().st_size > 10_000
+
+
 @pytest.fixture(scope="module")
 def compared(tmp_path_factory):
     """One uninterrupted 2-epoch ``--compare`` run: its log and plot path."""
@@ -53,12 +63,7 @@ def compared(tmp_path_factory):
 
 
 def test_compare_writes_plot(compared):
-    log, plot = compared
-    assert "global batch = 2 ranks x 2 images; BN statistics over 4 images (sync) / 2 images (local)" in log
-    assert sorted(epochs(log, "sync")) == [1, 2] and sorted(epochs(log, "local")) == [1, 2], log[-3000:]
-    assert log.count(SAME) == 2, log[-3000:]  # the sync run's two epochs
-    assert "final val mIoU: sync BN" in log
-    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and plot.stat().st_size > 10_000
+    check_compare(*compared, SAME)
 
 
 def test_train_then_resume_matches_uninterrupted(tmp_path, compared):
@@ -99,12 +104,7 @@ def keras_compared(tmp_path_factory):
 
 
 def test_keras_compare_writes_plot(keras_compared):
-    log, plot = keras_compared
-    assert "global batch = 2 ranks x 2 images; BN statistics over 4 images (sync) / 2 images (local)" in log
-    assert sorted(epochs(log, "sync")) == [1, 2] and sorted(epochs(log, "local")) == [1, 2], log[-3000:]
-    assert log.count(KERAS_SAME) == 2, log[-3000:]  # the sync run's two epochs
-    assert "final val mIoU: sync BN" in log
-    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and plot.stat().st_size > 10_000
+    check_compare(*keras_compared, KERAS_SAME)
 
 
 def test_keras_train_then_resume_matches_uninterrupted(tmp_path, keras_compared):
