@@ -15,12 +15,7 @@ from oracle import EMPTY, UNEQUAL, assert_close, global_batch, shard_sizes, shar
 
 class NumpyOps:
     concat = staticmethod(np.concatenate)
-    rsqrt = staticmethod(lambda x: 1.0 / np.sqrt(x))
     maximum = staticmethod(np.maximum)
-
-    @staticmethod
-    def cast(x, like):
-        return x.astype(like.dtype)
 
     @staticmethod
     def wide(x):

@@ -27,16 +27,8 @@ class _TFOps:
         return tf.concat(list(parts), axis=0)
 
     @staticmethod
-    def cast(x: tf.Tensor, like: tf.Tensor) -> tf.Tensor:
-        return tf.cast(x, like.dtype)
-
-    @staticmethod
     def wide(x: tf.Tensor) -> tf.Tensor:
         return tf.cast(x, tf.float64)
-
-    @staticmethod
-    def rsqrt(x: tf.Tensor) -> tf.Tensor:
-        return tf.math.rsqrt(x)
 
     @staticmethod
     def maximum(x: tf.Tensor, floor: float) -> tf.Tensor:

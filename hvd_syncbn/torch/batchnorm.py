@@ -9,7 +9,6 @@ import itertools
 from typing import Any, Optional, Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 from torch.nn.modules.batchnorm import _BatchNorm
 
@@ -32,16 +31,8 @@ class _TorchOps:
         return torch.cat(list(parts))
 
     @staticmethod
-    def cast(x: Tensor, like: Tensor) -> Tensor:
-        return x.to(like.dtype)
-
-    @staticmethod
     def wide(x: Tensor) -> Tensor:
         return x.to(torch.float64)
-
-    @staticmethod
-    def rsqrt(x: Tensor) -> Tensor:
-        return torch.rsqrt(x)
 
     @staticmethod
     def maximum(x: Tensor, floor: float) -> Tensor:
@@ -86,7 +77,7 @@ class _SyncBatchNormFn(torch.autograd.Function):
     def forward(ctx, x, weight, bias, layer, momentum):  # noqa: D401 - autograd API
         acc = layer._acc_dtype(x)
         mean, var = _local_moments(x, acc)
-        count = torch.full((1,), x.numel() // x.shape[1], dtype=acc, device=x.device)
+        count = torch.full((1,), x.numel() // x.shape[1], dtype=torch.float64, device=x.device)
         allreduce = _allreduce_sum(layer._process_set())
         total, g_mean, g_var = backend.sync_moments(
             _ops, allreduce, backend.collective_name(layer.layer_name, "fwd"), count, mean, var
