@@ -14,6 +14,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -43,17 +44,25 @@ def launch_command(launcher: str, np_: int) -> list:
     mpirun = shutil.which("mpirun")
     assert mpirun, "mpirun not found: run launch/install.sh"
     root = ["--allow-run-as-root"] if os.geteuid() == 0 else []
-    return [mpirun, *root, "--oversubscribe", "--tag-output", "-np", str(np_), "-bind-to", "none", "-map-by", "slot",
+    return [mpirun, *root, "--oversubscribe", "-np", str(np_), "-bind-to", "none", "-map-by", "slot",
             *(arg for name in ["PATH", "OMP_NUM_THREADS", "PYTHONUNBUFFERED", *STALL] for arg in ("-x", name))]
 
 
+SUMMARY = r"^(?:\[[\d,]+\]<stdout>:)?(=* ?\d+ (?:passed|failed).*)$"
+
+
 def run_suite(launcher: str, np_: int, suite: str) -> str:
-    cmd = launch_command(launcher, np_) + [
-        sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "--color=no", suite,
-    ]
-    out = subprocess.run(cmd, cwd=ROOT, env=clean_env(), capture_output=True, text=True, timeout=TIMEOUT_S)
-    log = out.stdout + out.stderr
-    summaries = re.findall(r"^(?:\[[\d,]+\]<stdout>:)?(=* ?\d+ (?:passed|failed).*)$", log, re.M)
+    with tempfile.TemporaryDirectory() as outputs:
+        # mpirun forwards output in chunks, so one rank's summary can land mid-line between
+        # another's progress dots: under mpirun each rank writes a file of its own.
+        files = ["--output-filename", outputs] if launcher == "mpirun" else []
+        cmd = launch_command(launcher, np_) + files + [
+            sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "--color=no", suite,
+        ]
+        out = subprocess.run(cmd, cwd=ROOT, env=clean_env(), capture_output=True, text=True, timeout=TIMEOUT_S)
+        logs = [f.read_text() for f in sorted(Path(outputs).glob("*/rank.*/stdout"))] if files else []
+    log = "\n".join([out.stdout, out.stderr])
+    summaries = re.findall(SUMMARY, "\n".join(logs) if files else log, re.M)  # mpirun also echoes
     assert out.returncode == 0, f"{' '.join(cmd)} exited {out.returncode}:\n{log[-6000:]}"
     assert len(summaries) == np_, f"expected {np_} rank summaries, got {summaries}:\n{log[-3000:]}"
     for line in summaries:
