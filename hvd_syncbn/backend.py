@@ -185,6 +185,25 @@ def check_input(
         )
 
 
+def check_args(layer: str, eps: Any, momentum: Any, eps_name: str = "eps", momentum_none: bool = False) -> None:
+    """Constructor checks shared by the adapters; raises ``ValueError`` naming the layer.
+
+    Args:
+        layer: the layer (class) name, for the message.
+        eps: the variance epsilon; must be > 0.
+        momentum: must lie in [0, 1] (or be ``None`` where ``momentum_none``).
+        eps_name: the framework's name for ``eps``.
+        momentum_none: whether ``None`` (PyTorch's cumulative average) is allowed.
+    """
+    if not eps > 0:
+        raise ValueError(f"{layer}: expected {eps_name} > 0, got {eps!r}")
+    if momentum is None and momentum_none:
+        return
+    if momentum is None or not 0.0 <= float(momentum) <= 1.0:
+        allowed = "[0, 1] or None" if momentum_none else "[0, 1]"
+        raise ValueError(f"{layer}: expected momentum in {allowed}, got {momentum!r}")
+
+
 def check_global_count(layer: str, count: float, training: bool) -> None:
     """Raise, on every rank alike, when training sees fewer than 2 rows in total."""
     if training and count == 1:

@@ -110,6 +110,17 @@ def _local_moments(x: tf.Tensor, axes: Sequence[int], weights: Optional[tf.Tenso
     return count, mean, var
 
 
+def _split_axes(ndim: int, axis: Any, layer: str) -> Tuple[list, list]:
+    """``(channel axes, reduction axes)``, sorted and non-negative, of an ``ndim`` input
+    whose channels are ``axis`` (an int or a list of ints)."""
+    axes = [axis] if isinstance(axis, int) else list(axis)
+    for a in axes:
+        if not -ndim <= a < ndim:
+            raise ValueError(f"{layer}: axis {a} is out of range for a {ndim}D input")
+    channel = sorted({a % ndim for a in axes})
+    return channel, [a for a in range(ndim) if a not in channel]
+
+
 def _channel_dims(x: tf.Tensor, axes: Sequence[int]) -> tf.Tensor:
     shape = tf.shape(x)
     return tf.stack([shape[a] for a in range(len(x.shape)) if a not in axes])
@@ -118,6 +129,13 @@ def _channel_dims(x: tf.Tensor, axes: Sequence[int]) -> tf.Tensor:
 def _keep(v: tf.Tensor, x: tf.Tensor, axes: Sequence[int]) -> tf.Tensor:
     """A flat per-channel ``(C,)`` vector shaped to broadcast against ``x``."""
     return tf.reshape(v, [1 if a in axes else x.shape[a] for a in range(len(x.shape))])
+
+
+def _scale_shift(xhat: tf.Tensor, gamma: Optional[tf.Tensor], beta: Optional[tf.Tensor],
+                 axes: Sequence[int]) -> tf.Tensor:
+    """``γ·x̂ + β`` for flat ``(C,)`` ``γ``, ``β`` (either may be ``None``)."""
+    y = xhat if gamma is None else xhat * _keep(gamma, xhat, axes)
+    return y if beta is None else y + _keep(beta, xhat, axes)
 
 
 def _sum(t: tf.Tensor, axes: Sequence[int]) -> tf.Tensor:
@@ -164,10 +182,7 @@ def _sync_normalize(
         total, mean, var = (tf.cast(t, dtype) for t in (total, mean, var))
         invstd = tf.math.rsqrt(var + epsilon)
         xhats = [(x - _keep(mean, x, axes)) * _keep(invstd, x, axes) for x in xs]
-        ys = []
-        for x, xhat in zip(xs, xhats):
-            y = xhat if g is None else xhat * _keep(g, x, axes)
-            ys.append(y if b is None else y + _keep(b, x, axes))
+        ys = [_scale_shift(xhat, g, b, axes) for xhat in xhats]
 
         def grad(*upstream):
             dys = upstream[:parts]  # the rest are d(mean), d(variance): not differentiated
@@ -218,9 +233,7 @@ def sync_batch_normalization(x, offset, scale, variance_epsilon, axis=-1, name="
         mean and biased variance, ``(C,)``, e.g. for moving averages.
     """
     parts = list(x) if isinstance(x, (list, tuple)) else [x]
-    ndim = len(parts[0].shape)
-    channel = {a % ndim for a in ([axis] if isinstance(axis, int) else axis)}
-    axes = [a for a in range(ndim) if a not in channel]
+    _, axes = _split_axes(len(parts[0].shape), axis, name)
     ys, mean, var = _sync_normalize([tf.convert_to_tensor(p) for p in parts], scale, offset, axes,
                                     variance_epsilon, name, process_set)
     return (ys if isinstance(x, (list, tuple)) else ys[0]), mean, var
@@ -270,21 +283,14 @@ class SyncBatchNormalization(keras.layers.BatchNormalization):
         axes = [axis] if isinstance(axis, int) else [int(a) for a in axis]
         if not axes:
             raise ValueError(f"SyncBatchNormalization: expected an axis or a non-empty list of axes, got {axis!r}")
-        if not 0.0 <= float(momentum) <= 1.0:
-            raise ValueError(f"SyncBatchNormalization: expected momentum in [0, 1], got {momentum!r}")
-        if not float(epsilon) > 0:
-            raise ValueError(f"SyncBatchNormalization: expected epsilon > 0, got {epsilon!r}")
+        backend.check_args("SyncBatchNormalization", float(epsilon), momentum, eps_name="epsilon")
         super().__init__(axes[0], momentum, epsilon, *args, **kwargs)
         self.axis = axis if isinstance(axis, int) else axes
         self.process_set = process_set
 
     def build(self, input_shape):
         ndim = len(input_shape)
-        axes = [self.axis] if isinstance(self.axis, int) else self.axis
-        for a in axes:
-            if not -ndim <= a < ndim:
-                raise ValueError(f"{self.name}: axis {a} is out of range for input shape {tuple(input_shape)}")
-        channel_axes = sorted({a % ndim for a in axes})
+        channel_axes, self._reduction_axes = _split_axes(ndim, self.axis, self.name)
         if isinstance(self.axis, int):
             super().build(input_shape)
         else:
@@ -302,7 +308,6 @@ class SyncBatchNormalization(keras.layers.BatchNormalization):
                                                    initializer=self.moving_variance_initializer, autocast=False)
             self.input_spec = keras.layers.InputSpec(ndim=ndim, axes={a: input_shape[a] for a in channel_axes})
         self._channel_axes = channel_axes
-        self._reduction_axes = [a for a in range(ndim) if a not in channel_axes]
 
     def call(self, inputs, training=None, mask=None):
         backend.check_input(self.name, inputs.shape, self._channel_axes[0], inputs.shape[self._channel_axes[0]],
@@ -323,11 +328,9 @@ class SyncBatchNormalization(keras.layers.BatchNormalization):
                 moving.assign(backend.ema(moving, new, tf.cast(self.momentum, moving.dtype)))
         else:  # multi-axis inference
             mean, var = (tf.cast(v, x.dtype) for v in (self.moving_mean, self.moving_variance))
-            y = (x - _keep(mean, x, axes)) * _keep(tf.math.rsqrt(var + self.epsilon), x, axes)
-            if self.scale:
-                y = y * _keep(tf.cast(self.gamma, x.dtype), x, axes)
-            if self.center:
-                y = y + _keep(tf.cast(self.beta, x.dtype), x, axes)
+            xhat = (x - _keep(mean, x, axes)) * _keep(tf.math.rsqrt(var + self.epsilon), x, axes)
+            gamma, beta = (None if w is None else tf.cast(w, x.dtype) for w in (self.gamma, self.beta))
+            y = _scale_shift(xhat, gamma, beta, axes)
         return tf.cast(y, self.compute_dtype)
 
     def get_config(self):

@@ -234,7 +234,4 @@ class SyncBatchNorm(_BatchNorm):
 def _check_args(num_features: Any, eps: Any, momentum: Any) -> None:
     if not isinstance(num_features, int) or num_features <= 0:
         raise ValueError(f"SyncBatchNorm: expected num_features to be a positive int, got {num_features!r}")
-    if not eps > 0:
-        raise ValueError(f"SyncBatchNorm: expected eps > 0, got {eps!r}")
-    if momentum is not None and not 0.0 <= momentum <= 1.0:
-        raise ValueError(f"SyncBatchNorm: expected momentum in [0, 1] or None, got {momentum!r}")
+    backend.check_args("SyncBatchNorm", eps, momentum, momentum_none=True)
