@@ -197,7 +197,8 @@ def test_process_set_syncs_only_within_itself():
 def test_exactly_one_allreduce_per_direction_per_layer(tmp_path_factory):
     """Counted in Horovod's own timeline: 2 layers, fwd+bwd -> 2 + 2 allreduces."""
     path = str(tmp_path_factory.mktemp(f"timeline{RANK}") / "timeline.json")
-    model = nn.Sequential(SyncBatchNorm(4, name="count.a"), nn.ReLU(), SyncBatchNorm(4, name="count.b"))
+    layers = [SyncBatchNorm(4, name=f"count.{k}", comm="horovod") for k in "ab"]
+    model = nn.Sequential(layers[0], nn.ReLU(), layers[1])
     x = torch.randn(3, 4, 5, 5, requires_grad=True)
     hvd.start_timeline(path, mark_cycles=False)
     model(x).sum().backward()

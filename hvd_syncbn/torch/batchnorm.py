@@ -13,11 +13,8 @@ from torch import Tensor
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from hvd_syncbn import backend
-
-try:  # Horovod is optional: without it the layer is plain BN.
-    import horovod.torch as hvd
-except ImportError:  # pragma: no cover - exercised only where Horovod is missing
-    hvd = None
+from hvd_syncbn import comm as transport
+from hvd_syncbn.torch import comm as torch_comm
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 _layer_ids = itertools.count()
@@ -42,9 +39,17 @@ class _TorchOps:
 _ops = _TorchOps()
 
 
-def _allreduce_sum(process_set: Any):
+def _call(layer: "SyncBatchNorm", direction: str, x: Tensor) -> transport.Call:
+    """This rank's identity of the layer's next collective in ``direction``."""
+    name = layer.layer_name
+    return transport.Call(name, direction, transport.next_step(name, direction), layer.num_features,
+                          x.dim(), str(x.dtype).replace("torch.", ""))
+
+
+def _allreduce_sum(comm: transport.Communicator, call: transport.Call):
     def allreduce_sum(buf: Tensor, name: str) -> Tensor:
-        return hvd.allreduce_(buf, op=hvd.Sum, name=name, process_set=process_set)
+        wide = buf.to(torch.float64)  # the identity header needs float64
+        return transport.allreduce(comm, wide, call, name, torch_comm.prepend).to(buf.dtype)
 
     return allreduce_sum
 
@@ -74,18 +79,24 @@ class _SyncBatchNormFn(torch.autograd.Function):
     """Normalise with global statistics; backward with one packed allreduce."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, layer, momentum):  # noqa: D401 - autograd API
+    def forward(ctx, x, weight, bias, layer, comm):  # noqa: D401 - autograd API
         acc = layer._acc_dtype(x)
         mean, var = _local_moments(x, acc)
         count = torch.full((1,), x.numel() // x.shape[1], dtype=torch.float64, device=x.device)
-        allreduce = _allreduce_sum(layer._process_set())
+        allreduce = _allreduce_sum(comm, _call(layer, "fwd", x))
         total, g_mean, g_var = backend.sync_moments(
             _ops, allreduce, backend.collective_name(layer.layer_name, "fwd"), count, mean, var
         )
         n = float(total)
         backend.check_global_count(layer.layer_name, n, training=True)
+        if layer.check_finite and not bool(torch.isfinite(g_mean).all() and torch.isfinite(g_var).all()):
+            raise ValueError(
+                f"{layer.layer_name}: expected finite inputs (check_finite=True), got NaN or Inf in the "
+                f"input of at least one rank; running statistics are left unchanged"
+            )
         mean, var = g_mean.to(acc), g_var.to(acc)
-        if momentum is not None and n > 1:
+        momentum = layer._momentum_now(n)
+        if momentum is not None:
             with torch.no_grad():
                 layer.running_mean.copy_(backend.ema(layer.running_mean, mean, 1 - momentum))
                 layer.running_var.copy_(
@@ -94,7 +105,7 @@ class _SyncBatchNormFn(torch.autograd.Function):
         # The native inference kernel normalises with the global statistics.
         y = torch.batch_norm(x, weight, bias, mean, var, False, 0.0, layer.eps, torch.backends.cudnn.enabled)
         ctx.save_for_backward(x, weight, mean, var, total.to(acc))
-        ctx.layer = layer
+        ctx.layer, ctx.comm = layer, comm
         return y
 
     @staticmethod
@@ -112,7 +123,7 @@ class _SyncBatchNormFn(torch.autograd.Function):
             )
         dx = None
         if need_x:
-            allreduce = _allreduce_sum(layer._process_set())
+            allreduce = _allreduce_sum(ctx.comm, _call(layer, "bwd", x))
             g_dy, g_dy_xhat = backend.sync_grad_sums(
                 _ops, allreduce, backend.collective_name(layer.layer_name, "bwd"), sum_dy, sum_dy_xhat
             )
@@ -138,9 +149,13 @@ class SyncBatchNorm(_BatchNorm):
 
     The mean and variance are taken per channel over the rows of *every* rank in
     ``process_set``; ranks may hold different numbers of rows, zero included. Each
-    training step makes one allreduce in the forward pass and one in the backward pass.
-    Without Horovod initialised, with one rank, or in eval mode with running statistics,
-    it is exactly ``nn.BatchNorm`` and makes no collective call.
+    training step makes one allreduce in the forward pass and one in the backward pass,
+    over Horovod, MPI or ``torch.distributed`` (see ``comm``). Alone (no transport, or one
+    rank), or in eval mode with running statistics, it is exactly ``nn.BatchNorm`` and
+    makes no collective call. An empty global batch leaves the running statistics and
+    ``num_batches_tracked`` as they were. NaN/Inf inputs propagate as in ``nn.BatchNorm``
+    unless ``check_finite``. When ranks disagree (see :mod:`hvd_syncbn.comm`) every rank
+    raises :class:`~hvd_syncbn.comm.SyncBatchNormError` within the timeout.
 
     Args:
         num_features: ``C`` from an input of size ``(N, C, *)``.
@@ -159,6 +174,12 @@ class SyncBatchNorm(_BatchNorm):
         name: collective name of this layer; must be the same on every rank. Default:
             the module path given by :func:`convert_sync_batchnorm`, else
             ``SyncBatchNorm_<k>`` in construction order.
+        comm: how statistics travel: ``"horovod"``, ``"mpi"`` (mpi4py, under mpirun),
+            ``"torch"`` (the default ``torch.distributed`` group, or ``process_set`` as a
+            group) or ``"auto"``: torch if a process group exists, else MPI under mpirun
+            with mpi4py, else Horovod. Default: ``$HVD_SYNCBN_COMM``, else ``"auto"``.
+        check_finite: raise ``ValueError`` on every rank, before any update, when the
+            global statistics are not finite (NaN/Inf in some rank's input). Default: ``False``.
 
     Shape:
         - Input: ``(N, C, *)``, any memory format; ``N`` may differ per rank, even 0.
@@ -184,11 +205,16 @@ class SyncBatchNorm(_BatchNorm):
         *,
         bias: bool = True,
         name: Optional[str] = None,
+        comm: Optional[str] = None,
+        check_finite: bool = False,
     ) -> None:
         _check_args(num_features, eps, momentum)
+        transport.requested_kind(comm)
         super().__init__(num_features, eps, momentum, affine, track_running_stats, device, dtype, bias=bias)
         self.process_set = process_set
         self.layer_name = name or f"SyncBatchNorm_{next(_layer_ids)}"
+        self.comm = comm
+        self.check_finite = bool(check_finite)
 
     def _check_input_dim(self, input: Tensor) -> None:
         backend.check_input(
@@ -202,30 +228,32 @@ class SyncBatchNorm(_BatchNorm):
             return params.dtype
         return torch.float64 if x.dtype == torch.float64 else torch.float32
 
-    def _process_set(self) -> Any:
-        return self.process_set if self.process_set is not None else hvd.global_process_set
+    def _comm(self) -> Optional[transport.Communicator]:
+        """The communicator of this call, or ``None`` when this process is alone."""
+        comm = torch_comm.resolve(self.comm, self.process_set, self.layer_name)
+        return comm if comm is not None and comm.size > 1 else None
 
-    def _world_size(self) -> int:
-        if hvd is None or not hvd.is_initialized():
-            return 1
-        ps = self._process_set()
-        if not ps.included():
-            raise ValueError(
-                f"{self.layer_name}: this rank ({hvd.rank()}) is not in the layer's process "
-                f"set {ps}; build the layer only on member ranks"
-            )
-        return ps.size()
+    def _momentum_now(self, count: float) -> Optional[float]:
+        """Count the batch (unless the global batch was empty) and return the weight of
+        the new statistics, or ``None`` to leave the running statistics alone."""
+        if not (self.training and self.track_running_stats) or count == 0:
+            return None
+        self.num_batches_tracked.add_(1)
+        return self.momentum if self.momentum is not None else 1.0 / float(self.num_batches_tracked)
 
     def forward(self, input: Tensor) -> Tensor:
-        self._check_input_dim(input)
         use_batch_stats = self.training or not self.track_running_stats
-        if not use_batch_stats or self._world_size() == 1:
+        comm = self._comm() if use_batch_stats else None
+        if comm is None:
+            self._check_input_dim(input)
             return super().forward(input)  # plain BN: the native fast path
-        momentum = None
-        if self.training and self.track_running_stats:
-            self.num_batches_tracked.add_(1)
-            momentum = self.momentum if self.momentum is not None else 1.0 / float(self.num_batches_tracked)
-        return _SyncBatchNormFn.apply(input, self.weight, self.bias, self, momentum)
+        try:
+            self._check_input_dim(input)
+        except ValueError as e:  # fail on every rank together, not here alone
+            payload = torch.zeros(2 * self.num_features + 1, dtype=torch.float64, device=input.device)
+            name = backend.collective_name(self.layer_name, "fwd")
+            transport.poison(comm, payload, _call(self, "fwd", input), name, torch_comm.prepend, str(e))
+        return _SyncBatchNormFn.apply(input, self.weight, self.bias, self, comm)
 
     def extra_repr(self) -> str:
         return super().extra_repr() + f", name={self.layer_name!r}"

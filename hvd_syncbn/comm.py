@@ -1,0 +1,350 @@
+"""How SyncBN's statistics buffers travel between ranks, with a deadline and an identity check.
+
+A :class:`Communicator` sums a float64 buffer over the ranks asynchronously (``start``,
+``done``, ``result``). Three transports exist: Horovod (the default; its background
+loop handles a collective on its next cycle, ``HOROVOD_CYCLE_TIME``), MPI through mpi4py
+(``Iallreduce`` straight on the buffer: microseconds for a few KB) and, for PyTorch,
+``torch.distributed``. The adapters build them; this module is framework-free.
+
+Every buffer starts with a two-value identity header ``[h, h²]``, ``h`` a hash of the
+layer, direction, step, channel count, input rank and dtype. After the sum every rank
+checks ``Σh = W·h`` and ``Σh² = W·h²``; both hold on one rank only if all ``h`` are
+equal, so a mismatch fails on every rank at once (MPI matches collectives by order,
+not name, and would otherwise mix two layers' statistics). Waiting is bounded by
+:func:`get_timeout`. On any failure the ranks that can still talk exchange what they
+were doing over a side channel, and every one raises :class:`SyncBatchNormError`
+naming the layers on each side, the waiting and the missing ranks, and the step.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import logging
+import math
+import os
+import time
+import zlib
+from dataclasses import asdict, dataclass
+from typing import Any, Callable, List, Optional
+
+import numpy as np
+
+Buffer = Any
+log = logging.getLogger("hvd_syncbn")
+
+TIMEOUT_ENV = "HVD_SYNCBN_TIMEOUT"
+COMM_ENV = "HVD_SYNCBN_COMM"
+KINDS = ("auto", "horovod", "mpi", "torch")
+HEADER = 2
+RECORD_BYTES = 384
+_timeout: Optional[float] = None
+
+
+class SyncBatchNormError(RuntimeError):
+    """Ranks disagree (different layers, order, shapes or dtypes), a rank stopped
+    answering, or the global batch is unusable. Raised on every rank that can tell."""
+
+
+class SyncBatchNormInputError(SyncBatchNormError, ValueError):
+    """Some rank's input to a SyncBN layer is invalid; raised on every rank of the collective."""
+
+
+def set_timeout(seconds: float) -> None:
+    """How long a rank waits for a SyncBN collective before it diagnoses and raises.
+
+    Overrides the ``HVD_SYNCBN_TIMEOUT`` environment variable (default 60 s).
+    """
+    global _timeout
+    if not (isinstance(seconds, (int, float)) and seconds > 0 and math.isfinite(seconds)):
+        raise ValueError(f"set_timeout: expected a positive number of seconds, got {seconds!r}")
+    _timeout = float(seconds)
+
+
+def get_timeout() -> float:
+    """The collective timeout in seconds: :func:`set_timeout`, else ``$HVD_SYNCBN_TIMEOUT``, else 60."""
+    if _timeout is not None:
+        return _timeout
+    raw = os.environ.get(TIMEOUT_ENV, "60")
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        raise ValueError(f"{TIMEOUT_ENV}: expected a positive number of seconds, got {raw!r}")
+    return value
+
+
+def requested_kind(kind: Optional[str]) -> str:
+    """The transport asked for: the argument, else ``$HVD_SYNCBN_COMM``, else ``auto``."""
+    value = (kind or os.environ.get(COMM_ENV) or "auto").lower()
+    if value not in KINDS:
+        source = "comm" if kind else COMM_ENV
+        raise ValueError(f"{source}: expected one of {', '.join(KINDS)}, got {value!r}")
+    return value
+
+
+def launched_by_mpirun() -> bool:
+    """Whether this process was started by an MPI launcher (Open MPI, MPICH/Hydra, PMIx)."""
+    return any(k in os.environ for k in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK"))
+
+
+_announced = False
+
+
+def announce(kind: str, rank: int, why: str) -> None:
+    """Log the chosen transport once per process, on rank 0."""
+    global _announced
+    if not _announced and rank == 0:
+        log.warning("hvd_syncbn: statistics travel over %s (%s; set %s to change)", kind, why, COMM_ENV)
+    _announced = True
+
+
+class Communicator:
+    """A summing allreduce of 1-D float64 buffers over a fixed group of ranks."""
+
+    kind = "?"
+    rank = 0
+    size = 1
+
+    def start(self, buf: Buffer, name: str) -> Any:
+        """Begin summing ``buf`` (which may be reused as the output); return a handle."""
+        raise NotImplementedError
+
+    def done(self, handle: Any) -> bool:
+        raise NotImplementedError
+
+    def result(self, handle: Any) -> Buffer:
+        """The summed buffer; raises if the transport failed."""
+        raise NotImplementedError
+
+    def side(self) -> "Communicator":
+        """A channel for diagnostics that a stuck collective on this one cannot block."""
+        return self
+
+    def abort(self) -> None:
+        """After a failure: stop this process's transport so that peers stop too."""
+
+    def to_numpy(self, buf: Buffer) -> np.ndarray:
+        return np.asarray(buf)
+
+    def from_numpy(self, arr: np.ndarray, like: Buffer) -> Buffer:
+        return arr
+
+
+@dataclass
+class Call:
+    """What one rank is doing in one collective: the identity its header hashes."""
+
+    layer: str
+    direction: str
+    step: int
+    channels: int
+    ndim: int
+    dtype: str
+    rank: int = 0
+    problem: str = ""
+
+    def where(self) -> str:
+        way = {"fwd": "forward", "bwd": "backward"}.get(self.direction, self.direction)
+        return f"layer {self.layer!r} {way}, step {self.step} ({self.channels} channels, {self.ndim}D {self.dtype})"
+
+
+def header(call: Call, world: int) -> List[float]:
+    """``[h, h²]`` with ``h`` small enough that ``W·h²`` is exact in float64."""
+    bits = max(8, min(26, (53 - max(1, math.ceil(math.log2(max(world, 2))))) // 2))
+    key = f"{call.layer}|{call.direction}|{call.step}|{call.channels}|{call.ndim}|{call.dtype}"
+    h = float(zlib.crc32(key.encode()) % (1 << bits) + 1)
+    return [h, h * h]
+
+
+_steps: dict = {}
+
+
+def next_step(layer: str, direction: str) -> int:
+    """This process's count of earlier calls of a layer's collective in one direction."""
+    key = (layer, direction)
+    _steps[key] = _steps.get(key, -1) + 1
+    return _steps[key]
+
+
+_orphans: list = []
+
+
+def _wait(comm: Communicator, handle: Any, deadline: float) -> bool:
+    """Poll until done (spinning first: MPI progresses only inside its calls); False at the deadline."""
+    for _ in range(2000):
+        if comm.done(handle):
+            return True
+    while not comm.done(handle):
+        if time.monotonic() > deadline:
+            _orphans.append(handle)  # the transport may still write into its buffer
+            return False
+        time.sleep(5e-5)
+    return True
+
+
+def allreduce(comm: Communicator, payload: Buffer, call: Call, name: str,
+              prepend: Callable[[List[float], Buffer], Buffer]) -> Buffer:
+    """Sum ``payload`` over ``comm``'s ranks behind the identity header; returns the sum
+    without the header. Raises :class:`SyncBatchNormError` on every rank it can reach
+    if the ranks are not in the same collective or one does not answer in time."""
+    call.rank = comm.rank
+    head = header(call, comm.size)
+    timeout = get_timeout()
+    try:
+        handle = comm.start(prepend(head, payload), name)
+        if not _wait(comm, handle, time.monotonic() + timeout):
+            fail(comm, call, f"no match within {timeout:g} s ({TIMEOUT_ENV})")
+        out = comm.result(handle)
+    except SyncBatchNormError:
+        raise
+    except Exception as e:  # the transport's own error (e.g. Horovod's shape mismatch)
+        fail(comm, call, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+    got = (float(out[0]), float(out[1]))
+    if got != (comm.size * head[0], comm.size * head[1]):
+        fail(comm, call, "ranks summed different collectives")
+    return out[HEADER:]
+
+
+def poison(comm: Communicator, payload: Buffer, call: Call, name: str, prepend, problem: str) -> None:
+    """Join the collective this rank owes with a header no peer can match, so that every
+    rank fails together and learns ``problem`` (e.g. this rank's bad input) instead of
+    waiting for it."""
+    call.rank, call.problem = comm.rank, problem
+    head = [-1.0, 1.0]
+    try:
+        handle = comm.start(prepend(head, payload), name)
+        _wait(comm, handle, time.monotonic() + get_timeout())
+    except Exception:  # noqa: BLE001 - the diagnosis below says what happened
+        pass
+    fail(comm, call, problem, SyncBatchNormInputError)
+
+
+def _exchange(comm: Communicator, call: Call, deadline: float) -> Optional[List[Call]]:
+    """Every answering rank's :class:`Call`, over the side channel; ``None`` if some
+    rank did not join before ``deadline``."""
+    record = json.dumps(asdict(call)).encode()[:RECORD_BYTES]
+    rows = np.zeros((comm.size, RECORD_BYTES), dtype=np.float64)
+    rows[comm.rank, : len(record)] = np.frombuffer(record, dtype=np.uint8)
+    try:
+        handle = comm.start(comm.from_numpy(rows.reshape(-1), None), "hvd_syncbn.diagnose")
+        if not _wait(comm, handle, deadline):
+            return None
+        table = comm.to_numpy(comm.result(handle)).reshape(comm.size, RECORD_BYTES)
+    except Exception:  # noqa: BLE001 - no answer is the answer
+        return None
+    calls = []
+    for row in table:
+        raw = bytes(row.astype(np.uint8)).rstrip(b"\0")
+        try:
+            calls.append(Call(**json.loads(raw.decode())))
+        except (ValueError, TypeError):
+            return None
+    return calls
+
+
+def describe(calls: Optional[List[Call]], me: Call, size: int, reason: str) -> str:
+    """The message every rank raises: who waits where, who is missing, and why."""
+    lines = [f"SyncBatchNorm: ranks disagree or stopped ({reason}); this is rank {me.rank}, in {me.where()}."]
+    if calls is None:
+        lines.append(
+            f"  The other ranks did not answer within the diagnosis time: they are not in a SyncBN "
+            f"collective (stuck in other code or another collective, finished, or dead)."
+        )
+    else:
+        groups: dict = {}
+        for c in calls:
+            groups.setdefault(c.where(), []).append(c)
+        everyone = list(range(size))
+        for where, members in groups.items():
+            waiting = [c.rank for c in members]
+            missing = [r for r in everyone if r not in waiting]
+            lines.append(f"  ranks {waiting} are waiting in {where}; missing there: ranks {missing}")
+            for c in members:
+                if c.problem and c.problem != reason:
+                    lines.append(f"    rank {c.rank}: {c.problem}")
+    lines.append("  Every rank must call the same SyncBN layers in the same order with the same channel "
+                 "count, input rank and dtype (the batch and spatial sizes may differ).")
+    return "\n".join(lines)
+
+
+_aborted: List[Communicator] = []
+
+
+def fail(comm: Communicator, call: Call, reason: str, error: type = SyncBatchNormError) -> None:
+    """Diagnose over the side channel, stop the transport, raise on this rank."""
+    calls = _exchange(comm.side(), call, time.monotonic() + get_timeout() / 2)
+    message = describe(calls, call, comm.size, reason)
+    log.error("%s", message)
+    if not _aborted:
+        _aborted.append(comm)
+        atexit.register(_abort_at_exit)
+    raise error(message)
+
+
+def _abort_at_exit() -> None:
+    """A failed collective may still be pending: stop the transport rather than let the
+    process hang in its shutdown."""
+    for comm in _aborted:
+        try:
+            comm.abort()
+        except Exception:  # noqa: BLE001 - exiting anyway
+            pass
+
+
+class MpiCommunicator(Communicator):
+    """mpi4py ``Iallreduce`` on a duplicate of ``MPI.COMM_WORLD`` (or of a group of it)."""
+
+    kind = "mpi"
+
+    def __init__(self, ranks: Optional[List[int]] = None) -> None:
+        from mpi4py import MPI
+
+        self._mpi = MPI
+        world = MPI.COMM_WORLD
+        if ranks is None or sorted(ranks) == list(range(world.Get_size())):
+            self.comm, self._side = world.Dup(), world.Dup()
+        else:
+            group = world.Get_group().Incl(sorted(ranks))
+            self.comm, self._side = world.Create_group(group, tag=1), world.Create_group(group, tag=2)
+        self.rank, self.size = self.comm.Get_rank(), self.comm.Get_size()
+        self._side_comm: Optional[MpiCommunicator] = None
+
+    def start(self, buf, name):
+        arr = np.ascontiguousarray(self.to_numpy(buf), dtype=np.float64)
+        return arr, self.comm.Iallreduce(self._mpi.IN_PLACE, arr, op=self._mpi.SUM)
+
+    def done(self, handle):
+        return handle[1].Test()
+
+    def result(self, handle):
+        return handle[0]
+
+    def side(self):
+        if self._side_comm is None:
+            side = object.__new__(MpiCommunicator)
+            side._mpi, side.comm, side._side = self._mpi, self._side, self._side
+            side.rank, side.size, side._side_comm = self.rank, self.size, None
+            self._side_comm = side
+        return self._side_comm
+
+    def abort(self):
+        self._mpi.COMM_WORLD.Abort(1)
+
+
+def mpi_usable(expected_size: Optional[int], expected_rank: Optional[int]) -> str:
+    """Why the MPI transport cannot be used here ('' if it can)."""
+    if not launched_by_mpirun():
+        return "not launched by mpirun"
+    try:
+        from mpi4py import MPI
+    except ImportError:
+        return "mpi4py is not installed"
+    if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
+        return "MPI was initialised without MPI_THREAD_MULTIPLE"
+    world = MPI.COMM_WORLD
+    if expected_size is not None and (world.Get_size(), world.Get_rank()) != (expected_size, expected_rank):
+        return (f"Horovod's ranks ({expected_rank} of {expected_size}) are not MPI_COMM_WORLD's "
+                f"({world.Get_rank()} of {world.Get_size()})")
+    return ""

@@ -1,0 +1,158 @@
+"""The PyTorch transports of :mod:`hvd_syncbn.comm`: Horovod, MPI (mpi4py) and torch.distributed.
+
+Chosen per layer call by :func:`resolve`: the layer's ``comm`` argument, else
+``$HVD_SYNCBN_COMM``, else ``auto``, which takes ``torch.distributed`` when a default
+process group exists, MPI when launched by mpirun with mpi4py (and Horovod, if
+initialised, numbering ranks as ``MPI_COMM_WORLD``), else Horovod.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from hvd_syncbn import comm as base
+
+try:
+    import horovod.torch as hvd
+except ImportError:  # pragma: no cover - exercised only where Horovod is missing
+    hvd = None
+
+_cache: dict = {}
+
+
+def prepend(head: list, buf: torch.Tensor) -> torch.Tensor:
+    return torch.cat([torch.tensor(head, dtype=buf.dtype, device=buf.device), buf])
+
+
+class HorovodComm(base.Communicator):
+    kind = "horovod"
+
+    def __init__(self, process_set: Any) -> None:
+        self.ps = process_set
+        self.rank, self.size = process_set.rank(), process_set.size()
+
+    def start(self, buf, name):
+        return hvd.allreduce_async_(buf, op=hvd.Sum, name=name, process_set=self.ps)
+
+    def done(self, handle):
+        return hvd.poll(handle)
+
+    def result(self, handle):
+        return hvd.synchronize(handle)
+
+    def abort(self):
+        hvd.shutdown()
+
+    def to_numpy(self, buf):
+        return buf.cpu().numpy()
+
+    def from_numpy(self, arr, like):
+        return torch.from_numpy(arr)
+
+
+class MpiComm(base.MpiCommunicator):
+    """mpi4py on CPU tensors' memory (zero-copy); device tensors are staged through the host."""
+
+    def start(self, buf, name):
+        host = buf if buf.device.type == "cpu" else buf.cpu()
+        arr, req = super().start(host.contiguous(), name)
+        return arr, req, buf
+
+    def result(self, handle):
+        arr, _, like = handle
+        return torch.from_numpy(arr).to(like.device)
+
+    def to_numpy(self, buf):
+        return buf.numpy() if isinstance(buf, torch.Tensor) else np.asarray(buf)
+
+
+class TorchDistComm(base.Communicator):
+    kind = "torch"
+
+    def __init__(self, group: Any) -> None:
+        self.group = group
+        self.rank, self.size = dist.get_rank(group), dist.get_world_size(group)
+        ranks = None if group is None else dist.get_process_group_ranks(group)
+        self._side_group = dist.new_group(ranks)
+        self._side: Optional[TorchDistComm] = None
+
+    def start(self, buf, name):
+        return buf, dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+
+    def done(self, handle):
+        return handle[1].is_completed()
+
+    def result(self, handle):
+        handle[1].wait()
+        return handle[0]
+
+    def side(self):
+        if self._side is None:
+            self._side = object.__new__(TorchDistComm)
+            self._side.group, self._side.rank, self._side.size = self._side_group, self.rank, self.size
+            self._side._side = self._side
+        return self._side
+
+    def to_numpy(self, buf):
+        return buf.cpu().numpy()
+
+    def from_numpy(self, arr, like):
+        return torch.from_numpy(arr)
+
+
+def resolve(kind: Optional[str], process_set: Any, layer: str) -> Optional[base.Communicator]:
+    """The communicator a layer uses now, or ``None`` when it is alone (plain BN)."""
+    want, why = base.requested_kind(kind), "requested"
+    hvd_on = hvd is not None and hvd.is_initialized()
+    if want == "auto":
+        if dist.is_available() and dist.is_initialized():
+            want, why = "torch", "a torch.distributed process group exists"
+        elif not (why := base.mpi_usable(hvd.size() if hvd_on else None, hvd.rank() if hvd_on else None)):
+            want, why = "mpi", "launched by mpirun with mpi4py"
+        elif hvd_on:
+            want = "horovod"
+        else:
+            return None
+    if hvd_on and isinstance(process_set, hvd.ProcessSet) and not process_set.included():
+        raise ValueError(
+            f"{layer}: this rank ({hvd.rank()}) is not in the layer's process set {process_set}; "
+            f"build the layer only on member ranks"
+        )
+    key = (want, _set_key(process_set))
+    if key not in _cache:
+        _cache[key] = _build(want, process_set, layer, hvd_on)
+        base.announce(want, _cache[key].rank, why)
+    return _cache[key]
+
+
+def _set_key(process_set: Any) -> Any:
+    if process_set is None:
+        return None
+    if hvd is not None and isinstance(process_set, hvd.ProcessSet):
+        return ("hvd", process_set.process_set_id)
+    return ("obj", id(process_set))
+
+
+def _build(want: str, process_set: Any, layer: str, hvd_on: bool) -> base.Communicator:
+    if want == "horovod":
+        if not hvd_on:
+            raise RuntimeError(f"{layer}: comm='horovod' needs hvd.init() first")
+        return HorovodComm(process_set if process_set is not None else hvd.global_process_set)
+    if want == "mpi":
+        why = base.mpi_usable(hvd.size() if hvd_on else None, hvd.rank() if hvd_on else None)
+        if why:
+            raise RuntimeError(f"{layer}: comm='mpi' is not usable here: {why}")
+        ranks = None if process_set is None else list(process_set.ranks)
+        return MpiComm(ranks)
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError(f"{layer}: comm='torch' needs torch.distributed.init_process_group() first")
+    if process_set is not None and not isinstance(process_set, dist.ProcessGroup):
+        raise ValueError(
+            f"{layer}: with comm='torch', expected process_set to be a torch.distributed "
+            f"ProcessGroup (from dist.new_group), got {type(process_set).__name__}"
+        )
+    return TorchDistComm(process_set)
