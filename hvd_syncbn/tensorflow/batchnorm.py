@@ -8,15 +8,12 @@ from __future__ import annotations
 from typing import Any, Optional, Sequence, Tuple
 
 import keras
+import numpy as np
 import tensorflow as tf
 
 from hvd_syncbn import backend
-
-try:  # Horovod is optional: without it the layer is plain BN.
-    import horovod.tensorflow as hvd
-    from horovod.common import process_sets as _process_sets
-except ImportError:  # pragma: no cover - exercised only where Horovod is missing
-    hvd = None
+from hvd_syncbn import comm as transport
+from hvd_syncbn.tensorflow import comm as tf_comm
 
 
 class _TFOps:
@@ -38,39 +35,23 @@ class _TFOps:
 _ops = _TFOps()
 
 
-def horovod_active(process_set: Any = None) -> bool:
-    """Whether Horovod is initialised with more than one rank in ``process_set``."""
-    if hvd is None or not hvd.is_initialized():
-        return False
-    return resolve_process_set(process_set).size() > 1
-
-
-def resolve_process_set(process_set: Any) -> Any:
-    """A registered Horovod process set from ``None`` (all ranks), a set, or its ranks."""
-    if process_set is None:
-        return hvd.global_process_set
-    if isinstance(process_set, _process_sets.ProcessSet):
-        return process_set
-    ranks = sorted(int(r) for r in process_set)
-    for set_id, set_ranks in hvd.mpi_ops._basics._get_process_set_ids_and_ranks().items():
-        if sorted(set_ranks) == ranks:
-            return _process_sets._temp_process_set_object(set_id)
-    raise ValueError(
-        f"expected process_set ranks {ranks} to be a registered Horovod process set; "
-        f"register it with hvd.add_process_set({ranks}) or hvd.init(process_sets=...) first"
-    )
-
-
-def _allreduce_sum(process_set: Any):
-    """Sum over the ranks of ``process_set`` and, inside a ``tf.distribute`` replica
-    context, over the in-process replicas first (one Horovod collective per process)."""
-    active = horovod_active(process_set)
-    ps = resolve_process_set(process_set) if active else None
+def _allreduce_sum(comm: Optional[transport.Communicator], layer: str, x: tf.Tensor, channels: int):
+    """Sum over the ranks of ``comm`` (nothing to do if ``None``) and, inside a
+    ``tf.distribute`` replica context, over the in-process replicas first (one
+    cross-rank collective per process). ``x`` and ``channels`` identify the call."""
+    ndim, dtype = len(x.shape), x.dtype.name
 
     def over_ranks(buf: tf.Tensor, name: str) -> tf.Tensor:
-        if not active:
+        if comm is None:
             return buf
-        return hvd.allreduce(buf, op=hvd.Sum, name=name, process_set=ps, ignore_name_scope=True)
+        direction = name.rsplit(".", 1)[-1]
+
+        def run(b: np.ndarray) -> np.ndarray:
+            call = transport.Call(layer, direction, transport.next_step(layer, direction), channels, ndim, dtype)
+            return transport.allreduce(comm, b, call, name, tf_comm.prepend)
+
+        out = tf.numpy_function(run, [tf.cast(buf, tf.float64)], tf.float64, stateful=True, name="hvd_syncbn_allreduce")
+        return tf.cast(tf.reshape(out, buf.shape), buf.dtype)
 
     def allreduce_sum(buf: tf.Tensor, name: str) -> tf.Tensor:
         ctx = tf.distribute.get_replica_context()
@@ -152,6 +133,7 @@ def _sync_normalize(
     name: str,
     process_set: Any = None,
     masks: Optional[Sequence[Optional[tf.Tensor]]] = None,
+    comm: Optional[str] = None,
 ) -> Tuple[list, tf.Tensor, tf.Tensor]:
     """Normalise every part ``xs[i]`` (towers of one process) with the statistics of all
     parts on every rank. The parts' buffers are summed in-process, then one allreduce
@@ -164,7 +146,8 @@ def _sync_normalize(
         - gamma, beta: ``C`` elements in any shape; returned mean, variance: ``(C,)``.
         - masks[i]: broadcastable to ``xs[i]``; 0 leaves a position out of the statistics.
     """
-    allreduce = _allreduce_sum(process_set)
+    channels = int(np.prod([d or -1 for a, d in enumerate(xs[0].shape) if a not in axes]))
+    allreduce = _allreduce_sum(tf_comm.resolve(comm, process_set, name), name, xs[0], channels)
     parts = len(xs)
     weights = [None if m is None else tf.cast(m, x.dtype) for x, m in zip(xs, masks or [None] * parts)]
     params = [tf.reshape(t, [-1]) for t in (gamma, beta) if t is not None]
@@ -211,7 +194,7 @@ def _sync_normalize(
 
 
 def sync_batch_normalization(x, offset, scale, variance_epsilon, axis=-1, name="sync_batch_normalization",
-                             process_set=None):
+                             process_set=None, comm=None):
     """``tf.nn.batch_normalization`` with the batch statistics computed for you, globally.
 
     The mean and variance are those of every row of ``x`` on every Horovod rank (and of
@@ -227,6 +210,7 @@ def sync_batch_normalization(x, offset, scale, variance_epsilon, axis=-1, name="
         axis: the channel axis, or a list of them. Default: -1.
         name: the collective's name, the same on every rank, unique per call site.
         process_set: Horovod process set (or its ranks). Default: all ranks.
+        comm: ``"horovod"``, ``"mpi"`` or ``"auto"``, as for :class:`SyncBatchNormalization`.
 
     Returns:
         ``(y, mean, variance)``: ``y`` like ``x`` (a list for a list); the global batch
@@ -235,7 +219,7 @@ def sync_batch_normalization(x, offset, scale, variance_epsilon, axis=-1, name="
     parts = list(x) if isinstance(x, (list, tuple)) else [x]
     _, axes = _split_axes(len(parts[0].shape), axis, name)
     ys, mean, var = _sync_normalize([tf.convert_to_tensor(p) for p in parts], scale, offset, axes,
-                                    variance_epsilon, name, process_set)
+                                    variance_epsilon, name, process_set, comm=comm)
     return (ys if isinstance(x, (list, tuple)) else ys[0]), mean, var
 
 
@@ -262,6 +246,10 @@ class SyncBatchNormalization(keras.layers.BatchNormalization):
         synchronized: accepted for config compatibility; this layer always synchronises.
         process_set: Horovod process set (or its ranks) to synchronise within.
             Default: all ranks.
+        comm: how statistics travel: ``"horovod"``, ``"mpi"`` (mpi4py, under mpirun) or
+            ``"auto"`` (MPI under mpirun with mpi4py, else Horovod). Default:
+            ``$HVD_SYNCBN_COMM``, else ``"auto"``. When ranks disagree, every rank
+            raises :class:`~hvd_syncbn.comm.SyncBatchNormError` within the timeout.
         **kwargs: base layer arguments (``name``, ``dtype``, ...). ``name`` also names
             the layer's collectives and must be the same on every rank.
 
@@ -277,7 +265,7 @@ class SyncBatchNormalization(keras.layers.BatchNormalization):
     """
 
     def __init__(self, axis=-1, momentum=0.99, epsilon=1e-3, *args, synchronized=False,
-                 process_set=None, renorm=False, **kwargs):
+                 process_set=None, comm=None, renorm=False, **kwargs):
         if renorm:
             raise ValueError("SyncBatchNormalization: renorm=True is not supported; use renorm=False")
         axes = [axis] if isinstance(axis, int) else [int(a) for a in axis]
@@ -287,6 +275,8 @@ class SyncBatchNormalization(keras.layers.BatchNormalization):
         super().__init__(axes[0], momentum, epsilon, *args, **kwargs)
         self.axis = axis if isinstance(axis, int) else axes
         self.process_set = process_set
+        self.comm = comm
+        transport.requested_kind(comm)
 
     def build(self, input_shape):
         ndim = len(input_shape)
@@ -321,7 +311,7 @@ class SyncBatchNormalization(keras.layers.BatchNormalization):
             mask = tf.expand_dims(tf.cast(mask, x.dtype), -1)
         if sync:
             (y,), mean, var = _sync_normalize(
-                [x], self.gamma, self.beta, axes, self.epsilon, self.name, self.process_set, [mask]
+                [x], self.gamma, self.beta, axes, self.epsilon, self.name, self.process_set, [mask], self.comm
             )
             for moving, new in ((self.moving_mean, mean), (self.moving_variance, var)):
                 new = tf.cast(tf.reshape(new, moving.shape), moving.dtype)
@@ -337,4 +327,5 @@ class SyncBatchNormalization(keras.layers.BatchNormalization):
         config = super().get_config()
         ps = self.process_set
         config["process_set"] = ps.ranks if hasattr(ps, "ranks") else ps
+        config["comm"] = self.comm
         return config

@@ -16,7 +16,7 @@ from typing import Any
 import keras
 import tensorflow as tf
 
-from .batchnorm import resolve_process_set
+from .comm import resolve_process_set
 
 import horovod.tensorflow as hvd
 
