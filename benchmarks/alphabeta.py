@@ -1,0 +1,67 @@
+"""Allreduce time against message size, through Horovod and through mpi4py, for the
+latency/bandwidth fit in ``scaling.py``.
+
+    launch/mpirun.sh -np 2 -- python benchmarks/alphabeta.py        # prints a table
+
+Every size is a float64 buffer summed in place; the two transports alternate call by
+call after an ``MPI_Barrier``; rank 0 keeps the median of ``--iters`` calls.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+import numpy as np
+import torch
+from mpi4py import MPI
+
+import horovod.torch as hvd
+from common import write_json
+
+SIZES = [1, 8, 64, 512, 4096, 32768, 262144]  # float64 elements: 8 B .. 2 MiB
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--iters", type=int, default=30)
+    parser.add_argument("--sizes", default=json.dumps(SIZES), help="JSON list of float64 element counts")
+    parser.add_argument("--label", default="loopback")
+    parser.add_argument("--out")
+    args = parser.parse_args()
+    hvd.init()
+    torch.set_num_threads(1)
+    comm = MPI.COMM_WORLD
+    rows = []
+    for n in json.loads(args.sizes):
+        t = torch.zeros(n, dtype=torch.float64)
+        a = np.zeros(n)
+        fns = {"horovod": lambda: hvd.allreduce_(t, op=hvd.Sum, name=f"ab.{n}"),
+               "mpi4py": lambda: comm.Allreduce(MPI.IN_PLACE, a, op=MPI.SUM)}
+        samples = {k: [] for k in fns}
+        for i in range(3 + args.iters):
+            for k in (list(fns) if i % 2 else list(fns)[::-1]):
+                comm.Barrier()
+                start = time.perf_counter()
+                fns[k]()
+                if i >= 3:
+                    samples[k].append((time.perf_counter() - start) * 1e3)
+        rows.append({"elems": n, "bytes": 8 * n, **{k: statistics.median(v) for k, v in samples.items()}})
+    if hvd.rank() != 0:
+        return
+    host = os.uname().nodename
+    result = {"ranks": hvd.size(), "label": args.label, "host0": host, "rows": rows,
+              "cross_size": hvd.cross_size(), "local_size": hvd.local_size()}
+    if args.out:
+        return write_json(args.out, result)
+    print(f"{args.label}: {hvd.size()} ranks ({hvd.cross_size()} hosts); allreduce median ms")
+    print("| bytes | horovod | mpi4py |\n|---|---|---|")
+    for r in rows:
+        print(f"| {r['bytes']} | {r['horovod']:.3f} | {r['mpi4py']:.3f} |")
+
+
+if __name__ == "__main__":
+    main()
