@@ -1,14 +1,18 @@
-"""Per-layer forward+backward time of the Keras SyncBatchNormalization at 2 ranks, against
-local Keras BN, Horovod's own Keras 2 layer and Keras 3's ``synchronized=True``.
+"""Per-layer forward+backward time of the Keras SyncBatchNormalization against local
+Keras BN, Horovod's own Keras 2 layer and Keras 3's ``synchronized=True``.
 
-    python benchmarks/bench_tf.py            # runs every configuration, prints one table
+    python benchmarks/bench_tf.py              # 2 ranks, every configuration, one table
+    python benchmarks/run.py                   # the full report (calls jobs() below)
 
-One invocation runs four 2-process jobs on this machine, one after another, each with
-1 thread per process: ours and local ``keras.layers.BatchNormalization`` (interleaved,
-horovodrun), ``hvd.SyncBatchNormalization`` under Keras 2 (``TF_USE_LEGACY_KERAS=1``
-with ``tf_keras`` installed ``--no-deps`` into a cache folder beside, so tensorflow-cpu
-stays), and ``BatchNormalization(synchronized=True)`` under
-``MultiWorkerMirroredStrategy`` with two localhost workers.
+Each configuration is its own job on this machine, 1 thread per process:
+
+- ``ours``: ours and local ``keras.layers.BatchNormalization``, interleaved, under
+  ``launch/mpirun.sh``, once per ``HVD_SYNCBN_COMM`` value asked for;
+- ``hvd_keras2``: ``hvd.SyncBatchNormalization`` under Keras 2 (``TF_USE_LEGACY_KERAS=1``
+  with ``tf_keras`` installed ``--no-deps`` into a cache folder beside, so tensorflow-cpu
+  stays), under mpirun;
+- ``keras3_sync``: ``BatchNormalization(synchronized=True)`` under
+  ``MultiWorkerMirroredStrategy``, one localhost worker per rank (``--mwms N``).
 """
 
 from __future__ import annotations
@@ -27,15 +31,21 @@ from pathlib import Path
 SHAPES = [(8, 56, 56, 64), (2, 64, 64, 256), (8, 28, 28, 512), (4, 7, 7, 2048), (2, 128, 128, 64)]
 TF_KERAS = "tf_keras==2.21.0"
 HERE = Path(__file__).resolve()
-BIN = Path(sys.executable).parent
 
 
-def worker(impl: str, out: str, iters: int) -> None:
+def nhwc(shape) -> tuple:
+    """An NCHW shape as NHWC."""
+    n, c, h, w = shape
+    return (n, h, w, c)
+
+
+def worker(impl: str, out: str, iters: int, shapes: list, count_steps: int) -> None:
     import numpy as np
     import tensorflow as tf
 
     tf.config.threading.set_intra_op_parallelism_threads(1)
     tf.config.threading.set_inter_op_parallelism_threads(1)
+    hvd = None
     if impl == "keras3_sync":
         strategy = tf.distribute.MultiWorkerMirroredStrategy()
         rank = strategy.cluster_resolver.task_id
@@ -68,23 +78,41 @@ def worker(impl: str, out: str, iters: int) -> None:
             return tf.function(lambda x, dy: strategy.run(fwd_bwd, args=(x, dy)))
         return tf.function(fwd_bwd)
 
+    def run(fn, x, dy):
+        tf.nest.map_structure(lambda t: t.numpy(), fn(x, dy))  # wait for the result
+
     rng = np.random.default_rng(rank)
-    results = {}
-    for shape in SHAPES:
+    results = {"ranks": hvd.size() if hvd else strategy.num_replicas_in_sync,
+               "comm": os.environ.get("HVD_SYNCBN_COMM", "(unset)"), "shapes": {}}
+    tmp = Path(tempfile.mkdtemp())
+    for shape in shapes:
         x = tf.constant(rng.standard_normal(shape), tf.float32)
         dy = tf.constant(rng.standard_normal(shape), tf.float32)
         fns = {name: step_fn(layer) for name, layer in layers(shape[-1]).items()}
         samples = {name: [] for name in fns}
         names = list(fns)
-        for i in range(3 + iters):
+        for i in range(3 + iters if iters else 1):
             for name in names[i % len(names):] + names[: i % len(names)]:
                 start = time.perf_counter()
-                tf.nest.map_structure(lambda t: t.numpy(), fns[name](x, dy))  # wait for the result
+                run(fns[name], x, dy)
                 if i >= 3:
                     samples[name].append((time.perf_counter() - start) * 1e3)
-        results[str(shape)] = {name: statistics.median(s) for name, s in samples.items()}
+        times = {name: {"median": statistics.median(s), "n": len(s)} for name, s in samples.items() if s}
+        counts = {}
+        if count_steps and hvd is not None:
+            from common import count_collectives
+
+            counts = {name: count_collectives(lambda f=fn: run(f, x, dy), count_steps, hvd, f"{name}.{shape[-1]}", tmp,
+                                                all_threads=True)
+                      for name, fn in fns.items()}
+        results["shapes"][json.dumps(list(nhwc_to_nchw(shape)))] = {"times": times, "counts": counts}
     if rank == 0:
         Path(out).write_text(json.dumps(results))
+
+
+def nhwc_to_nchw(shape) -> tuple:
+    n, h, w, c = shape
+    return (n, c, h, w)
 
 
 def free_port() -> int:
@@ -93,52 +121,80 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_jobs(iters: int) -> dict:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "PMIX_", "HOROVOD_"))}
-    env.update(OMP_NUM_THREADS="1", TF_CPP_MIN_LOG_LEVEL="3", PATH=f"{BIN}:{env.get('PATH', '')}")
+def tf_keras_path() -> Path:
+    """A folder holding ``tf_keras`` (installed there on first use, without dependencies)."""
     cache = Path(os.environ.get("HVD_SYNCBN_CACHE", Path.home() / ".cache" / "hvd_syncbn")) / "tf_keras-2.21.0"
     if not (cache / "tf_keras").exists():
         subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(cache), TF_KERAS],
                        check=True)
-    results = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        horovodrun = [str(BIN / "horovodrun"), "--gloo", "-np", "2", "-H", "localhost:2"]
-        for impl, extra in (("ours", {}), ("hvd_keras2", {"TF_USE_LEGACY_KERAS": "1", "PYTHONPATH": str(cache)})):
-            out = f"{tmp}/{impl}.json"
-            subprocess.run(horovodrun + [sys.executable, str(HERE), "--worker", impl, "--out", out,
-                                         "--iters", str(iters)], env={**env, **extra}, check=True,
-                           stdout=subprocess.DEVNULL)
-            results[impl] = json.loads(Path(out).read_text())
-        out, ports = f"{tmp}/keras3_sync.json", [free_port(), free_port()]
-        procs = []
-        for rank in range(2):
-            tf_config = {"cluster": {"worker": [f"localhost:{p}" for p in ports]}, "task": {"type": "worker", "index": rank}}
-            procs.append(subprocess.Popen([sys.executable, str(HERE), "--worker", "keras3_sync", "--out", out,
-                                           "--iters", str(iters)], env={**env, "TF_CONFIG": json.dumps(tf_config)},
-                                          stdout=subprocess.DEVNULL))
-        if any(p.wait() for p in procs):
-            raise SystemExit("the MultiWorkerMirroredStrategy job failed")
-        results["keras3_sync"] = json.loads(Path(out).read_text())
-    return results
+    return cache
+
+
+def mwms(ranks: int, worker_args: list) -> int:
+    """Run ``ranks`` keras3_sync workers as one MultiWorkerMirroredStrategy cluster."""
+    ports = [free_port() for _ in range(ranks)]
+    procs = []
+    for rank in range(ranks):
+        tf_config = {"cluster": {"worker": [f"localhost:{p}" for p in ports]}, "task": {"type": "worker", "index": rank}}
+        procs.append(subprocess.Popen([sys.executable, str(HERE), "--worker", "keras3_sync", *worker_args],
+                                      env={**os.environ, "TF_CONFIG": json.dumps(tf_config)}))
+    return max(p.wait() for p in procs)
+
+
+def jobs(runner, shapes: list, iters: int, ranks: int = 2, comms=("horovod", "mpi"), count_steps: int = 2) -> dict:
+    """Every TF configuration at ``ranks`` ranks, as ``{config: worker result}``; with
+    ``count_steps`` a second, counting job per Horovod configuration. ``runner`` is a
+    :class:`jobs.Runner`; ``shapes`` are NCHW."""
+    args = ["--shapes", json.dumps([nhwc(s) for s in shapes]), "--iters", str(iters)]
+    out = {}
+    for comm in comms:
+        out[f"ours[{comm}]"] = runner.mpirun(ranks, "bench_tf.py", ["--worker", "ours", *args],
+                                             env={"HVD_SYNCBN_COMM": comm})
+        if count_steps:
+            out[f"count ours[{comm}]"] = runner.mpirun(
+                ranks, "bench_tf.py", ["--worker", "ours", *args[:2], "--iters", "0", "--count-steps", str(count_steps)],
+                env={"HVD_SYNCBN_COMM": comm}, count=True)
+    legacy = {"TF_USE_LEGACY_KERAS": "1", "PYTHONPATH": str(tf_keras_path())}
+    out["hvd_keras2"] = runner.mpirun(ranks, "bench_tf.py", ["--worker", "hvd_keras2", *args], env=legacy)
+    if count_steps:
+        out["count hvd_keras2"] = runner.mpirun(
+            ranks, "bench_tf.py", ["--worker", "hvd_keras2", *args[:2], "--iters", "0", "--count-steps", str(count_steps)],
+            env=legacy, count=True)
+    result = runner.tmp / f"mwms{ranks}.json"
+    out["keras3_sync"] = runner.local([sys.executable, str(HERE), "--mwms", str(ranks), *args, "--out", str(result)],
+                                      {}, result)
+    return out
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--shapes", default=json.dumps(SHAPES),
+                        help="JSON list of NHWC shapes (workers)")
+    parser.add_argument("--count-steps", type=int, default=0)
     parser.add_argument("--worker", help=argparse.SUPPRESS)
+    parser.add_argument("--mwms", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    shapes = [tuple(s) for s in json.loads(args.shapes)]
     if args.worker:
-        return worker(args.worker, args.out, args.iters)
-    r = run_jobs(args.iters)
+        return worker(args.worker, args.out, args.iters, shapes, args.count_steps)
+    if args.mwms:
+        sys.exit(mwms(args.mwms, ["--shapes", args.shapes, "--iters", str(args.iters), "--out", args.out]))
+    from jobs import Runner
+
+    with tempfile.TemporaryDirectory() as tmp:
+        r = jobs(Runner(Path(tmp), Path(tmp) / "log.txt", None), [nhwc_to_nchw(s) for s in shapes], args.iters,
+                 count_steps=0)
     print("2 ranks, 1 thread each; per-layer forward+backward, median ms")
-    print("| shape (per rank, NHWC) | ours | local Keras BN | hvd Keras 2 layer | Keras 3 synchronized "
-          "| ours / hvd Keras 2 | ours / Keras 3 sync |")
-    print("|---|---|---|---|---|---|---|")
-    for shape in map(str, SHAPES):
-        ours, local = r["ours"][shape]["ours"], r["ours"][shape]["local"]
-        k2, k3 = r["hvd_keras2"][shape]["hvd_keras2"], r["keras3_sync"][shape]["keras3_sync"]
-        print(f"| {shape} | {ours:.2f} | {local:.2f} | {k2:.2f} | {k3:.2f} | {ours / k2:.2f}x | {ours / k3:.2f}x |")
+    configs = [k for k in r if "error" not in r[k]]
+    print("| shape (per rank, NCHW) | " + " | ".join(configs) + " |\n|---" + "|---" * len(configs) + "|")
+    for shape in r[configs[0]]["shapes"]:
+        cells = [" / ".join(f"{v['median']:.2f}" for v in r[k]["shapes"][shape]["times"].values()) for k in configs]
+        print(f"| {shape} | " + " | ".join(cells) + " |")
+    for k in r:
+        if "error" in r[k]:
+            print(f"{k}: failed: {r[k]['error']}")
 
 
 if __name__ == "__main__":
