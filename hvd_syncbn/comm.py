@@ -75,8 +75,13 @@ def get_timeout() -> float:
     return value
 
 
-def requested_kind(kind: Optional[str]) -> str:
-    """The transport asked for: the argument, else ``$HVD_SYNCBN_COMM``, else ``auto``."""
+def requested_kind(kind: Any) -> Any:
+    """The transport asked for: the argument (a name, or a :class:`Communicator` to use
+    as it is), else ``$HVD_SYNCBN_COMM``, else ``auto``."""
+    if isinstance(kind, Communicator):
+        return kind
+    if kind is not None and not isinstance(kind, str):
+        raise ValueError(f"comm: expected one of {', '.join(KINDS)} or a Communicator, got {kind!r}")
     value = (kind or os.environ.get(COMM_ENV) or "auto").lower()
     if value not in KINDS:
         source = "comm" if kind else COMM_ENV
@@ -130,6 +135,25 @@ class Communicator:
 
     def from_numpy(self, arr: np.ndarray, like: Buffer) -> Buffer:
         return arr
+
+
+class LocalCommunicator(Communicator):
+    """No transport: ``size`` ranks that all hold this rank's buffer (the sum is
+    ``size·buf``). For compute-only benchmarks and tests."""
+
+    kind = "local"
+
+    def __init__(self, size: int = 2, rank: int = 0) -> None:
+        self.size, self.rank = size, rank
+
+    def start(self, buf, name):
+        return buf * self.size
+
+    def done(self, handle):
+        return True
+
+    def result(self, handle):
+        return handle
 
 
 @dataclass
@@ -191,19 +215,19 @@ def allreduce(comm: Communicator, payload: Buffer, call: Call, name: str,
     if the ranks are not in the same collective or one does not answer in time."""
     call.rank = comm.rank
     head = header(call, comm.size)
-    timeout = get_timeout()
+    timeout, since = get_timeout(), time.monotonic()
     try:
         handle = comm.start(prepend(head, payload), name)
-        if not _wait(comm, handle, time.monotonic() + timeout):
-            fail(comm, call, f"no match within {timeout:g} s ({TIMEOUT_ENV})")
+        if not _wait(comm, handle, since + timeout):
+            fail(comm, call, f"no match within {timeout:g} s ({TIMEOUT_ENV})", since=since)
         out = comm.result(handle)
     except SyncBatchNormError:
         raise
     except Exception as e:  # the transport's own error (e.g. Horovod's shape mismatch)
-        fail(comm, call, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+        fail(comm, call, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}", since=since)
     got = (float(out[0]), float(out[1]))
     if got != (comm.size * head[0], comm.size * head[1]):
-        fail(comm, call, "ranks summed different collectives")
+        fail(comm, call, "ranks summed different collectives", since=since)
     return out[HEADER:]
 
 
@@ -212,13 +236,13 @@ def poison(comm: Communicator, payload: Buffer, call: Call, name: str, prepend, 
     rank fails together and learns ``problem`` (e.g. this rank's bad input) instead of
     waiting for it."""
     call.rank, call.problem = comm.rank, problem
-    head = [-1.0, 1.0]
+    head, since = [-1.0, 1.0], time.monotonic()
     try:
         handle = comm.start(prepend(head, payload), name)
-        _wait(comm, handle, time.monotonic() + get_timeout())
+        _wait(comm, handle, since + get_timeout())
     except Exception:  # noqa: BLE001 - the diagnosis below says what happened
         pass
-    fail(comm, call, problem, SyncBatchNormInputError)
+    fail(comm, call, problem, SyncBatchNormInputError, since=since)
 
 
 def _exchange(comm: Communicator, call: Call, deadline: float) -> Optional[List[Call]]:
@@ -272,9 +296,15 @@ def describe(calls: Optional[List[Call]], me: Call, size: int, reason: str) -> s
 _aborted: List[Communicator] = []
 
 
-def fail(comm: Communicator, call: Call, reason: str, error: type = SyncBatchNormError) -> None:
-    """Diagnose over the side channel, stop the transport, raise on this rank."""
-    calls = _exchange(comm.side(), call, time.monotonic() + get_timeout() / 2)
+def fail(comm: Communicator, call: Call, reason: str, error: type = SyncBatchNormError,
+         since: Optional[float] = None) -> None:
+    """Diagnose over the side channel, stop the transport, raise on this rank.
+
+    The diagnosis waits until 1.5 timeouts after ``since`` (the collective's start), so a
+    rank that failed at once still meets the peers that fail by timing out.
+    """
+    since = time.monotonic() if since is None else since
+    calls = _exchange(comm.side(), call, since + 1.5 * get_timeout())
     message = describe(calls, call, comm.size, reason)
     log.error("%s", message)
     if not _aborted:

@@ -134,12 +134,13 @@ def _sync_normalize(
     process_set: Any = None,
     masks: Optional[Sequence[Optional[tf.Tensor]]] = None,
     comm: Optional[str] = None,
-) -> Tuple[list, tf.Tensor, tf.Tensor]:
+) -> Tuple[list, tf.Tensor, tf.Tensor, tf.Tensor]:
     """Normalise every part ``xs[i]`` (towers of one process) with the statistics of all
     parts on every rank. The parts' buffers are summed in-process, then one allreduce
     per direction crosses the ranks; the gradient is written by hand.
 
-    Returns ``([y_i], mean, variance)``, the statistics global and biased.
+    Returns ``([y_i], mean, variance, count)``, the statistics global and biased,
+    ``count`` the global number of rows as ``(1,)``.
 
     Shape:
         - xs[i]: any rank, same channel dims; ``axes`` are the reduction axes.
@@ -168,7 +169,7 @@ def _sync_normalize(
         ys = [_scale_shift(xhat, g, b, axes) for xhat in xhats]
 
         def grad(*upstream):
-            dys = upstream[:parts]  # the rest are d(mean), d(variance): not differentiated
+            dys = upstream[:parts]  # the rest are d(mean), d(variance), d(count): not differentiated
             # Masked positions are normalised too: their dy enters every sum, while
             # only unmasked positions moved the statistics (hence ``w`` below).
             sums = [(_sum(dy, axes), _sum(dy * xhat, axes)) for dy, xhat in zip(dys, xhats)]
@@ -187,10 +188,10 @@ def _sync_normalize(
                 dparams.append(tf.add_n([s[0] for s in sums]))
             return dxs + dparams
 
-        return (*ys, mean, var), grad
+        return (*ys, mean, var, total), grad
 
     out = _fn(*xs, *params)
-    return list(out[:parts]), out[parts], out[parts + 1]
+    return list(out[:parts]), out[parts], out[parts + 1], out[parts + 2]
 
 
 def sync_batch_normalization(x, offset, scale, variance_epsilon, axis=-1, name="sync_batch_normalization",
@@ -218,7 +219,7 @@ def sync_batch_normalization(x, offset, scale, variance_epsilon, axis=-1, name="
     """
     parts = list(x) if isinstance(x, (list, tuple)) else [x]
     _, axes = _split_axes(len(parts[0].shape), axis, name)
-    ys, mean, var = _sync_normalize([tf.convert_to_tensor(p) for p in parts], scale, offset, axes,
+    ys, mean, var, _ = _sync_normalize([tf.convert_to_tensor(p) for p in parts], scale, offset, axes,
                                     variance_epsilon, name, process_set, comm=comm)
     return (ys if isinstance(x, (list, tuple)) else ys[0]), mean, var
 
@@ -296,13 +297,43 @@ class SyncBatchNormalization(keras.layers.BatchNormalization):
                                                initializer=self.moving_mean_initializer, autocast=False)
             self.moving_variance = self.add_weight(shape=shape, name="moving_variance", trainable=False,
                                                    initializer=self.moving_variance_initializer, autocast=False)
-            self.input_spec = keras.layers.InputSpec(ndim=ndim, axes={a: input_shape[a] for a in channel_axes})
+        # Checked in call() instead, so that a bad input on one rank fails every rank.
+        self.input_spec = None
+        self._ndim, self._channels = ndim, {a: input_shape[a] for a in channel_axes}
         self._channel_axes = channel_axes
 
+    def _input_problem(self, inputs) -> str:
+        """What is wrong with ``inputs`` for this built layer ('' if nothing)."""
+        shape = tuple(inputs.shape)
+        try:
+            if len(shape) != self._ndim:
+                raise ValueError(f"{self.name}: expected a {self._ndim}D input (as built), got {len(shape)}D input "
+                                 f"of shape {shape}")
+            for a, size in self._channels.items():
+                backend.check_input(self.name, shape, a, size, inputs.dtype.is_floating, inputs.dtype.name)
+        except ValueError as e:
+            return str(e)
+        return ""
+
+    def _fail_everywhere(self, inputs, problem: str) -> None:
+        """Raise ``problem``; in training with peers, after joining the forward collective
+        with a poisoned header, so that every rank raises it instead of waiting."""
+        comm = tf_comm.resolve(self.comm, self.process_set, self.name)
+        if comm is not None:
+            channels = int(np.prod(list(self._channels.values())))
+            call = transport.Call(self.name, "fwd", transport.next_step(self.name, "fwd"), channels,
+                                  len(inputs.shape), inputs.dtype.name)
+            transport.poison(comm, np.zeros(2 * channels + 1), call, backend.collective_name(self.name, "fwd"),
+                             tf_comm.prepend, problem)
+        raise ValueError(problem)
+
     def call(self, inputs, training=None, mask=None):
-        backend.check_input(self.name, inputs.shape, self._channel_axes[0], inputs.shape[self._channel_axes[0]],
-                            inputs.dtype.is_floating, inputs.dtype.name)
         sync = bool(training) and self.trainable
+        problem = self._input_problem(inputs)
+        if problem and sync:
+            self._fail_everywhere(inputs, problem)
+        if problem:
+            raise ValueError(problem)
         if isinstance(self.axis, int) and not sync:
             return super().call(inputs, training=training, mask=mask)
         x = tf.cast(inputs, tf.float32 if inputs.dtype != tf.float64 else tf.float64)
@@ -310,12 +341,13 @@ class SyncBatchNormalization(keras.layers.BatchNormalization):
         if mask is not None:
             mask = tf.expand_dims(tf.cast(mask, x.dtype), -1)
         if sync:
-            (y,), mean, var = _sync_normalize(
+            (y,), mean, var, total = _sync_normalize(
                 [x], self.gamma, self.beta, axes, self.epsilon, self.name, self.process_set, [mask], self.comm
             )
             for moving, new in ((self.moving_mean, mean), (self.moving_variance, var)):
                 new = tf.cast(tf.reshape(new, moving.shape), moving.dtype)
-                moving.assign(backend.ema(moving, new, tf.cast(self.momentum, moving.dtype)))
+                updated = backend.ema(moving, new, tf.cast(self.momentum, moving.dtype))
+                moving.assign(tf.where(total[0] > 0, updated, moving))  # an empty global batch: no update
         else:  # multi-axis inference
             mean, var = (tf.cast(v, x.dtype) for v in (self.moving_mean, self.moving_variance))
             xhat = (x - _keep(mean, x, axes)) * _keep(tf.math.rsqrt(var + self.epsilon), x, axes)
@@ -327,5 +359,5 @@ class SyncBatchNormalization(keras.layers.BatchNormalization):
         config = super().get_config()
         ps = self.process_set
         config["process_set"] = ps.ranks if hasattr(ps, "ranks") else ps
-        config["comm"] = self.comm
+        config["comm"] = None if isinstance(self.comm, transport.Communicator) else self.comm
         return config

@@ -36,8 +36,9 @@ class _Job:
 
 
 class HorovodComm(base.Communicator):
-    """Horovod's eager allreduce, run on helper threads so that the caller can wait with a
-    deadline, and so that collectives TF runs concurrently negotiate by name."""
+    """Horovod's allreduce op, run on helper threads so that the caller can wait with a
+    deadline and collectives that TF runs concurrently still negotiate by name. (Eager
+    Horovod ops all carry one kernel name, so each collective is a small ``tf.function``.)"""
 
     kind = "horovod"
     THREADS = 4
@@ -46,6 +47,7 @@ class HorovodComm(base.Communicator):
         self.ps = process_set
         self.rank, self.size = process_set.rank(), process_set.size()
         self._jobs: "queue.Queue[_Job]" = queue.Queue()
+        self._fns: dict = {}
         for _ in range(self.THREADS):
             threading.Thread(target=self._serve, daemon=True, name="hvd_syncbn-horovod").start()
 
@@ -58,14 +60,19 @@ class HorovodComm(base.Communicator):
                 job.error = e
             job.event.set()
 
-    def start(self, buf, name):
+    def _op(self, name: str, size: int):
         import tensorflow as tf
 
-        def run():
-            return hvd.allreduce(tf.constant(buf), op=hvd.Sum, name=name, process_set=self.ps,
-                                 ignore_name_scope=True).numpy()
+        if (name, size) not in self._fns:
+            self._fns[name, size] = tf.compat.v1.wrap_function(
+                lambda t: hvd.allreduce(t, op=hvd.Sum, name=name, process_set=self.ps, ignore_name_scope=True),
+                [tf.TensorSpec([size], tf.float64)],
+            )
+        return self._fns[name, size]
 
-        job = _Job(run)
+    def start(self, buf, name):
+        op = self._op(name, len(buf))
+        job = _Job(lambda: op(buf).numpy())
         self._jobs.put(job)
         return job
 
@@ -100,6 +107,8 @@ def resolve_process_set(process_set: Any) -> Any:
 def resolve(kind: Optional[str], process_set: Any, layer: str) -> Optional[base.Communicator]:
     """The communicator for a layer, or ``None`` when this process is alone (plain BN)."""
     want, why = base.requested_kind(kind), "requested"
+    if isinstance(want, base.Communicator):
+        return want if want.size > 1 else None
     hvd_on = hvd is not None and hvd.is_initialized()
     if want == "torch":
         raise ValueError(f"{layer}: comm='torch' is PyTorch's; with TensorFlow use 'horovod', 'mpi' or 'auto'")

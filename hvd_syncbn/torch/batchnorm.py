@@ -81,7 +81,13 @@ class _SyncBatchNormFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, layer, comm):  # noqa: D401 - autograd API
         acc = layer._acc_dtype(x)
-        mean, var = _local_moments(x, acc)
+        try:
+            layer._check_input_dim(x)
+            mean, var = _local_moments(x, acc)
+        except Exception as e:  # noqa: BLE001 - every rank fails together, not this one alone
+            payload = torch.zeros(2 * layer.num_features + 1, dtype=torch.float64, device=x.device)
+            name = backend.collective_name(layer.layer_name, "fwd")
+            transport.poison(comm, payload, _call(layer, "fwd", x), name, torch_comm.prepend, str(e))
         count = torch.full((1,), x.numel() // x.shape[1], dtype=torch.float64, device=x.device)
         allreduce = _allreduce_sum(comm, _call(layer, "fwd", x))
         total, g_mean, g_var = backend.sync_moments(
@@ -247,12 +253,6 @@ class SyncBatchNorm(_BatchNorm):
         if comm is None:
             self._check_input_dim(input)
             return super().forward(input)  # plain BN: the native fast path
-        try:
-            self._check_input_dim(input)
-        except ValueError as e:  # fail on every rank together, not here alone
-            payload = torch.zeros(2 * self.num_features + 1, dtype=torch.float64, device=input.device)
-            name = backend.collective_name(self.layer_name, "fwd")
-            transport.poison(comm, payload, _call(self, "fwd", input), name, torch_comm.prepend, str(e))
         return _SyncBatchNormFn.apply(input, self.weight, self.bias, self, comm)
 
     def extra_repr(self) -> str:

@@ -107,6 +107,8 @@ class TorchDistComm(base.Communicator):
 def resolve(kind: Optional[str], process_set: Any, layer: str) -> Optional[base.Communicator]:
     """The communicator a layer uses now, or ``None`` when it is alone (plain BN)."""
     want, why = base.requested_kind(kind), "requested"
+    if isinstance(want, base.Communicator):
+        return want if want.size > 1 else None
     hvd_on = hvd is not None and hvd.is_initialized()
     if want == "auto":
         if dist.is_available() and dist.is_initialized():
