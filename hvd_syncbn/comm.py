@@ -286,7 +286,7 @@ def describe(calls: Optional[List[Call]], me: Call, size: int, reason: str) -> s
             missing = [r for r in everyone if r not in waiting]
             lines.append(f"  ranks {waiting} are waiting in {where}; missing there: ranks {missing}")
             for c in members:
-                if c.problem and c.problem != reason:
+                if c.problem:
                     lines.append(f"    rank {c.rank}: {c.problem}")
     lines.append("  Every rank must call the same SyncBN layers in the same order with the same channel "
                  "count, input rank and dtype (the batch and spatial sizes may differ).")

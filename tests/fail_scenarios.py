@@ -44,7 +44,7 @@ def keras_layers(rank: int):
     from hvd_syncbn.tensorflow import SyncBatchNormalization
 
     def layer(c: int, name: str, dtype="float32"):
-        bn = SyncBatchNormalization(axis=1, name=name, dtype=str(dtype).replace("torch.", ""))
+        bn = SyncBatchNormalization(axis=1, name=name, dtype=dtype)
 
         def run(x: np.ndarray) -> None:
             t = tf.constant(x)
@@ -78,7 +78,7 @@ def main() -> None:
     if rank == 1 and SCENARIO == "channels":  # the same layer built wider on one rank
         bn1_bad, wide = layer(8, "body.bn1"), np.concatenate([rows, rows], axis=1)
     if rank == 1 and SCENARIO == "dtype":  # the same layer in float64 on one rank
-        bn1_bad, wide = layer(4, "body.bn1", np.float64 if FRAMEWORK == "keras" else _float64()), rows
+        bn1_bad, wide = layer(4, "body.bn1", "float64" if FRAMEWORK == "keras" else _float64()), rows
     start = time.monotonic()
     for step in range(STEPS):
         bad = step == BAD_STEP

@@ -1,0 +1,181 @@
+"""When ranks disagree, send bad input or die, every rank stops with a message, in time.
+
+Runs ``tests/fail_scenarios.py`` under horovodrun (Gloo, Horovod transport) and mpirun
+(MPI transport) with ``HVD_SYNCBN_TIMEOUT=T``: every surviving rank must exit non-zero
+within 2·T of the step that goes wrong, each with a message naming the layers involved.
+Then the demo is killed mid-training at 3 ranks and resumed from its last checkpoint.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from test_demo import DEMO, epochs
+from test_launch import BIN, ROOT, clean_env, launch_command
+
+T = 5.0
+EXTRA = ["layer 'head.extra' forward, step 0", "layer 'body.bn1' forward, step 2"]
+ORDER = ["layer 'body.bn2' forward, step 2", "layer 'body.bn1' forward, step 2"]
+CASES = [  # framework, scenario, launcher, world, what every rank's message must contain
+    ("torch", "extra_layer", "horovodrun-gloo", 2, EXTRA),
+    ("torch", "extra_layer", "mpirun", 2, EXTRA),
+    ("keras", "extra_layer", "horovodrun-gloo", 2, EXTRA),
+    ("keras", "extra_layer", "mpirun", 2, EXTRA),
+    ("torch", "order", "mpirun", 2, ORDER),
+    ("keras", "order", "mpirun", 3, ORDER),
+    ("torch", "channels", "mpirun", 3, ["(4 channels, 3D float32)", "(8 channels, 3D float32)"]),
+    ("keras", "channels", "horovodrun-gloo", 3, ["(4 channels, 3D float32)", "(8 channels, 3D float32)"]),
+    ("torch", "dtype", "horovodrun-gloo", 2, ["3D float32)", "3D float64)"]),
+    ("keras", "dtype", "mpirun", 2, ["3D float32)", "3D float64)"]),
+    ("torch", "bad_input", "mpirun", 3, ["rank 1: body.bn1: expected 4 channels on axis 1, got 3"]),
+    ("keras", "bad_input", "horovodrun-gloo", 3, ["rank 1: body.bn1: expected 4 channels on axis 1, got 3"]),
+]
+RESULT = re.compile(r"RESULT rank=(\d+) elapsed=([\d.]+) error=(\w+)\n(.*?)(?=\nRESULT|\Z)", re.S)
+
+
+def launch(args: list, launcher: str, world: int, timeout: float = 120) -> tuple:
+    """Run ``args`` at ``world`` ranks; ``(exit code, {rank: its output})``, ranks'
+    outputs kept apart (horovodrun prefixes lines, mpirun writes a file per rank)."""
+    env = clean_env()
+    env["HVD_SYNCBN_TIMEOUT"] = str(T)
+    tmp = Path(os.environ.get("TMPDIR", "/tmp")) / f"hvd_syncbn_fail_{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    cmd = launch_command(launcher, world)
+    if launcher == "mpirun":
+        cmd += ["-x", "HVD_SYNCBN_TIMEOUT", "--output-filename", str(tmp)]
+    out = subprocess.run(cmd + [sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=timeout)
+    logs = {}
+    if launcher == "mpirun":
+        for f in tmp.glob("*/rank.*/stdout"):
+            logs[int(f.parent.name.split(".")[1])] = f.read_text()
+        shutil.rmtree(tmp, ignore_errors=True)
+    else:
+        for line in out.stdout.splitlines():
+            m = re.match(r"\[(\d+)\]<stdout>:(.*)", line)
+            if m:
+                logs.setdefault(int(m.group(1)), []).append(m.group(2))
+        logs = {r: "\n".join(lines) for r, lines in logs.items()}
+    return out.returncode, logs, out.stdout + out.stderr
+
+
+@pytest.mark.parametrize("framework, scenario, launcher, world, expected", CASES,
+                         ids=[f"{c[0]}-{c[1]}-{c[2]}-{c[3]}" for c in CASES])
+def test_every_rank_stops_in_time_naming_the_layers(framework, scenario, launcher, world, expected):
+    rc, logs, raw = launch(["tests/fail_scenarios.py", framework, scenario], launcher, world)
+    assert rc != 0, f"the job exited 0:\n{raw[-4000:]}"
+    for rank in range(world):
+        found = RESULT.findall(logs.get(rank, ""))
+        assert found, f"rank {rank} reported no error:\n{logs.get(rank, raw)[-3000:]}"
+        _, elapsed, error, message = found[0]
+        assert "SyncBatchNorm" in error, f"rank {rank}: {error}: {message[:2000]}"
+        assert float(elapsed) <= 2 * T, f"rank {rank} took {elapsed} s (timeout {T} s)"
+        for text in expected:
+            assert text in message, f"rank {rank}'s message lacks {text!r}:\n{message[:3000]}"
+        assert "missing there: ranks" in message or scenario == "bad_input", message[:3000]
+
+
+def test_keras_bad_input_alone_raises_plain_value_error():
+    """One process, no peers: the same checks, as ValueError."""
+    check = ("import numpy as np, hvd_syncbn.tensorflow as h; bn = h.SyncBatchNormalization(axis=1, name='b');"
+             "bn(np.ones((2, 4, 3), 'float32'), training=True)\n"
+             "try: bn(np.ones((2, 3, 3), 'float32'), training=True)\n"
+             "except ValueError as e: print(e)")
+    out = subprocess.run([sys.executable, "-c", check], env=clean_env(), capture_output=True, text=True,
+                         timeout=120)
+    assert "b: expected 4 channels on axis 1, got 3" in out.stdout, out.stdout + out.stderr[-2000:]
+
+
+# -------------------------------------------- a rank killed; the demo resumes
+
+DIE_LAUNCHERS = ["horovodrun-gloo", "mpirun"]
+
+
+@pytest.mark.parametrize("launcher", DIE_LAUNCHERS)
+@pytest.mark.parametrize("framework", ["torch", "keras"])
+def test_peers_of_a_killed_rank_exit_nonzero_in_time(framework, launcher):
+    start = time.monotonic()
+    rc, logs, raw = launch(["tests/fail_scenarios.py", framework, "die"], launcher, 3)
+    assert rc != 0, raw[-3000:]
+    bad = [re.search(r"BAD-STEP rank=(\d) t=([\d.]+)", logs.get(r, "")) for r in range(3)]
+    killed_at = float(bad[2].group(2)) if bad[2] else None
+    assert killed_at, f"rank 2 never reached the step where it dies:\n{raw[-3000:]}"
+    assert time.time() - killed_at <= T + 10, f"the job ended {time.time() - killed_at:.1f} s after the kill"
+    for rank in (0, 1):
+        assert f"RESULT rank={rank} finished" not in logs.get(rank, ""), f"rank {rank} finished despite a dead peer"
+    assert time.monotonic() - start < 120
+
+
+def _rank_pid(rank: int, script: str) -> int | None:
+    """PID of the process running ``script`` as Horovod/MPI rank ``rank``."""
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            cmd = (proc / "cmdline").read_bytes().decode(errors="replace")
+            env = (proc / "environ").read_bytes().decode(errors="replace").split("\0")
+        except OSError:
+            continue
+        if script in cmd and "python" in cmd and ("HOROVOD_RANK=%d" % rank in env or
+                                                 "OMPI_COMM_WORLD_RANK=%d" % rank in env):
+            return int(proc.name)
+    return None
+
+
+DEMO_ARGS = ["--train-size", "96", "--val-size", "6", "--image-size", "16", "--width", "4", "--epochs", "2"]
+
+
+def test_demo_killed_mid_training_resumes_like_uninterrupted(tmp_path):
+    whole = subprocess.run(
+        launch_command("horovodrun-gloo", 3) + [sys.executable, str(DEMO), *DEMO_ARGS,
+                                                "--checkpoint-dir", str(tmp_path / "whole")],
+        cwd=ROOT, env=clean_env(), capture_output=True, text=True, timeout=600)
+    assert whole.returncode == 0, whole.stdout[-3000:] + whole.stderr[-3000:]
+
+    ckpt = tmp_path / "crash" / "segmentation_sync.pt"
+    env = clean_env()
+    env["HVD_SYNCBN_TIMEOUT"] = str(T)
+    job = subprocess.Popen(
+        launch_command("horovodrun-gloo", 3) + [sys.executable, str(DEMO), *DEMO_ARGS,
+                                                "--checkpoint-dir", str(ckpt.parent)],
+        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 300
+        while not ckpt.exists() and time.monotonic() < deadline and job.poll() is None:
+            time.sleep(0.05)
+        assert ckpt.exists(), "no checkpoint after epoch 1"
+        pid = _rank_pid(2, DEMO.name)
+        assert pid, "rank 2's process not found"
+        os.kill(pid, signal.SIGKILL)
+        killed = time.monotonic()
+        out, _ = job.communicate(timeout=120)
+        took = time.monotonic() - killed
+    finally:
+        if job.poll() is None:
+            job.kill()
+    assert job.returncode != 0, out[-3000:]
+    assert took <= T + 10, f"the surviving ranks took {took:.1f} s to exit"
+    assert torch.load(ckpt)["epoch"] == 1, "the kill came too late: epoch 2 had finished"
+
+    resumed = subprocess.run(
+        launch_command("horovodrun-gloo", 3) + [sys.executable, str(DEMO), *DEMO_ARGS, "--resume",
+                                                "--checkpoint-dir", str(ckpt.parent)],
+        cwd=ROOT, env=clean_env(), capture_output=True, text=True, timeout=600)
+    log = resumed.stdout + resumed.stderr
+    assert resumed.returncode == 0 and "resumed from epoch 1" in log, log[-3000:]
+    assert epochs(log, "sync")[2] == epochs(whole.stdout + whole.stderr, "sync")[2]
+    a, b = torch.load(tmp_path / "whole" / "segmentation_sync.pt"), torch.load(ckpt)
+    # Parameters and BN running statistics. Not bitwise: Horovod fuses gradients by timing,
+    # so the summation order, hence the last bits, differ from run to run.
+    for key, value in a["model"].items():
+        torch.testing.assert_close(b["model"][key], value, rtol=1e-4, atol=1e-6, msg=lambda m: f"{key}: {m}")
