@@ -12,6 +12,7 @@ setup(
     extras_require={
         "torch": ["torch>=2.0", "horovod>=0.28"],
         "tensorflow": ["tensorflow>=2.16", "horovod>=0.28"],
-        "test": ["pytest", "mpi4py"],
+        "test": ["pytest", "hypothesis", "mpi4py"],
+        "mpi": ["mpi4py"],
     },
 )

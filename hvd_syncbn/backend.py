@@ -204,10 +204,24 @@ def check_args(layer: str, eps: Any, momentum: Any, eps_name: str = "eps", momen
         raise ValueError(f"{layer}: expected momentum in {allowed}, got {momentum!r}")
 
 
+def single_row_message(layer: str) -> str:
+    return (f"{layer}: expected more than 1 value per channel when training across all ranks, got a "
+            f"global batch of 1 row")
+
+
 def check_global_count(layer: str, count: float, training: bool) -> None:
     """Raise, on every rank alike, when training sees fewer than 2 rows in total."""
     if training and count == 1:
-        raise ValueError(
-            f"{layer}: expected more than 1 value per channel when training across all "
-            f"ranks, got a global batch of 1 row"
-        )
+        raise ValueError(single_row_message(layer))
+
+
+def non_finite_message(layer: str) -> str:
+    return (f"{layer}: expected finite inputs (check_finite=True), got NaN or Inf in the input of at "
+            f"least one rank; running statistics are left unchanged")
+
+
+def check_finite(layer: str, finite: bool) -> None:
+    """With ``check_finite=True``: raise, on every rank alike, when the global statistics
+    are not finite (NaN or Inf in some rank's input)."""
+    if not finite:
+        raise ValueError(non_finite_message(layer))

@@ -219,12 +219,13 @@ def allreduce(comm: Communicator, payload: Buffer, call: Call, name: str,
     try:
         handle = comm.start(prepend(head, payload), name)
         if not _wait(comm, handle, since + timeout):
-            fail(comm, call, f"no match within {timeout:g} s ({TIMEOUT_ENV})", since=since)
+            fail(comm, call, f"no match within {timeout:g} s ({TIMEOUT_ENV})", since=since, stuck=True)
         out = comm.result(handle)
     except SyncBatchNormError:
         raise
     except Exception as e:  # the transport's own error (e.g. Horovod's shape mismatch)
-        fail(comm, call, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}", since=since)
+        fail(comm, call, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}", since=since,
+             stuck=True)
     got = (float(out[0]), float(out[1]))
     if got != (comm.size * head[0], comm.size * head[1]):
         fail(comm, call, "ranks summed different collectives", since=since)
@@ -237,12 +238,14 @@ def poison(comm: Communicator, payload: Buffer, call: Call, name: str, prepend, 
     waiting for it."""
     call.rank, call.problem = comm.rank, problem
     head, since = [-1.0, 1.0], time.monotonic()
+    stuck = True
     try:
         handle = comm.start(prepend(head, payload), name)
-        _wait(comm, handle, since + get_timeout())
+        stuck = not _wait(comm, handle, since + get_timeout())
+        comm.result(handle)
     except Exception:  # noqa: BLE001 - the diagnosis below says what happened
         pass
-    fail(comm, call, problem, SyncBatchNormInputError, since=since)
+    fail(comm, call, problem, SyncBatchNormInputError, since=since, stuck=stuck)
 
 
 def _exchange(comm: Communicator, call: Call, deadline: float) -> Optional[List[Call]]:
@@ -297,8 +300,9 @@ _aborted: List[Communicator] = []
 
 
 def fail(comm: Communicator, call: Call, reason: str, error: type = SyncBatchNormError,
-         since: Optional[float] = None) -> None:
-    """Diagnose over the side channel, stop the transport, raise on this rank.
+         since: Optional[float] = None, stuck: bool = False) -> None:
+    """Diagnose over the side channel, raise on this rank; if a collective is ``stuck``
+    (timed out, or its transport failed), stop the transport at exit.
 
     The diagnosis waits until 1.5 timeouts after ``since`` (the collective's start), so a
     rank that failed at once still meets the peers that fail by timing out.
@@ -307,7 +311,7 @@ def fail(comm: Communicator, call: Call, reason: str, error: type = SyncBatchNor
     calls = _exchange(comm.side(), call, since + 1.5 * get_timeout())
     message = describe(calls, call, comm.size, reason)
     log.error("%s", message)
-    if not _aborted:
+    if stuck and not _aborted:
         _aborted.append(comm)
         atexit.register(_abort_at_exit)
     raise error(message)

@@ -37,7 +37,7 @@ fi
 # 2. The virtual environment and the Python packages (skipped when already pinned).
 [ -x "$VENV/bin/python" ] || { log "creating $VENV"; "$PYTHON" -m venv "$VENV"; }
 PY="$VENV/bin/python"
-reqs=("torch==$TORCH_VERSION" "$TF_PACKAGE==$TF_VERSION" numpy mpi4py pytest matplotlib tqdm
+reqs=("torch==$TORCH_VERSION" "$TF_PACKAGE==$TF_VERSION" numpy mpi4py pytest hypothesis matplotlib tqdm
       cloudpickle psutil pyyaml packaging cffi)
 stamp="$VENV/.hvd_syncbn-reqs"
 if [ "$(cat "$stamp" 2>/dev/null)" != "${reqs[*]}" ]; then

@@ -477,3 +477,77 @@ def test_distributed_optimizer_takes_a_process_set_by_ranks():
     for w in model.weights:
         same = hvd.broadcast(tf.convert_to_tensor(w), 0, name=f"test.ps.{w.path}")
         assert np.array_equal(same.numpy(), w.numpy()), f"{w.path} differs between rank 0 and rank {RANK}"
+
+
+def _weights(layer):
+    return [w.numpy().copy() for w in layer.weights]
+
+
+def assert_weights_unchanged(layer, before, what):
+    for w, b in zip(layer.weights, before):
+        assert np.array_equal(w.numpy(), b), f"{what}: {w.name} changed"
+
+
+def test_wrong_channel_count_names_layer():
+    bn = SyncBatchNormalization(name="bn_ch")
+    bn.build((None, 3, 4))
+    before = _weights(bn)
+    with pytest.raises(ValueError, match=r"bn_ch: expected 4 channels on axis 2, got 3"):
+        bn(np.ones((2, 3, 3), np.float32), training=True)
+    assert_weights_unchanged(bn, before, "wrong channels")
+
+
+def test_empty_global_batch_leaves_moving_statistics():
+    """Every rank 0 rows: empty output, finite gradients, moving statistics untouched."""
+    bn = SyncBatchNormalization(name="bn_empty")
+    bn.build((None, 3, 4))
+    before = _weights(bn)
+    x = tf.zeros((0, 3, 4))
+    with tf.GradientTape() as tape:
+        tape.watch(x)
+        y = bn(x, training=True)
+    grads = tape.gradient(tf.reduce_sum(y), [x, bn.gamma, bn.beta])
+    # TF's tape returns None for gradients through a zero-size output (plain Keras BN too).
+    assert y.shape == (0, 3, 4) and all(g is None or bool(tf.reduce_all(tf.math.is_finite(g))) for g in grads)
+    assert_weights_unchanged(bn, before, "empty global batch")
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "tf-function"])
+def test_single_global_row_raises_on_every_rank(compiled):
+    bn = SyncBatchNormalization(name=f"bn_one_{int(compiled)}")
+    bn.build((None, 4))
+    before = _weights(bn)
+    call = tf.function(lambda x: bn(x, training=True)) if compiled else (lambda x: bn(x, training=True))
+    with pytest.raises((ValueError, tf.errors.InvalidArgumentError), match="expected more than 1 value per channel"):
+        call(tf.ones((1 if RANK == 0 else 0, 4)))
+    assert_weights_unchanged(bn, before, "single global row")
+
+
+def test_nan_input_follows_keras_or_raises_with_check_finite():
+    sizes = shard_sizes(UNEQUAL, WORLD)
+    mine = shard_slice(sizes, RANK)
+    x_all = global_batch(7, sum(sizes), (3, 4))
+    x_all[0, 0, 1] = np.nan  # rank 0's rows, channel 1
+    sync, plain = make_pair((3, 4))
+    y, y_all = sync(x_all[mine], training=True), plain(x_all.astype(np.float64), training=True)
+    assert_close(np.nan_to_num(y.numpy(), nan=7.0), np.nan_to_num(y_all.numpy()[mine], nan=7.0), "NaN: output")
+    for name in ("moving_mean", "moving_variance"):
+        assert_close(np.nan_to_num(getattr(sync, name).numpy(), nan=7.0),
+                     np.nan_to_num(getattr(plain, name).numpy(), nan=7.0), f"NaN: {name}")
+
+    strict = SyncBatchNormalization(name="bn_strict", check_finite=True)
+    strict.build((None, 3, 4))
+    before = _weights(strict)
+    with pytest.raises((ValueError, tf.errors.InvalidArgumentError), match=r"bn_strict: expected finite inputs"):
+        strict(x_all[mine], training=True)
+    assert_weights_unchanged(strict, before, "check_finite")
+
+
+def test_transport_follows_the_documented_rule():
+    """$HVD_SYNCBN_COMM if set, else MPI under mpirun, else Horovod; none when alone."""
+    from hvd_syncbn import comm
+    from hvd_syncbn.tensorflow import comm as tf_comm
+
+    want = os.environ.get("HVD_SYNCBN_COMM") or ("mpi" if comm.launched_by_mpirun() else "horovod")
+    chosen = tf_comm.resolve(None, None, "rule_bn")
+    assert (chosen is None) == (WORLD == 1) and (chosen is None or chosen.kind == want), (chosen, want)

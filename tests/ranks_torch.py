@@ -24,6 +24,12 @@ os.environ.setdefault("HOROVOD_DYNAMIC_PROCESS_SETS", "1")
 os.environ.setdefault("HOROVOD_TIMELINE", "DYNAMIC")
 hvd.init()
 RANK, WORLD = hvd.rank(), hvd.size()
+# test_launch.py runs this suite once with the layers' statistics over torch.distributed.
+TORCH_DIST = os.environ.get("HVD_SYNCBN_COMM") == "torch"
+if TORCH_DIST:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=os.environ["HVD_SYNCBN_TEST_INIT"], rank=RANK, world_size=WORLD)
 PLAIN = {2: nn.BatchNorm1d, 3: nn.BatchNorm1d, 4: nn.BatchNorm2d, 5: nn.BatchNorm3d}
 
 
@@ -183,7 +189,7 @@ def test_process_set_syncs_only_within_itself():
     ps = hvd.add_process_set(members) if WORLD >= 3 else hvd.global_process_set
     try:
         sync, plain = make_pair(4, 4)
-        sync.process_set = ps
+        sync.process_set = dist.new_group(members) if TORCH_DIST else ps
         if RANK in members:
             run_steps(sync, plain, (4, 3, 3), UNEQUAL, steps=2, ps=ps)
         else:
@@ -265,3 +271,61 @@ def test_state_dict_loads_both_ways_and_revert_keeps_state():
     for k, v in model.state_dict().items():
         assert torch.equal(v, ref[k]), k
     assert not model[1].training and not model[1].weight.requires_grad
+
+
+def _state(layer):
+    return {k: v.clone() for k, v in layer.state_dict().items()}
+
+
+def assert_state_unchanged(layer, before, what):
+    for k, v in layer.state_dict().items():
+        assert torch.equal(v, before[k]), f"{what}: {k} changed from {before[k]} to {v}"
+
+
+def test_empty_global_batch_leaves_statistics_untouched():
+    """Every rank 0 rows: empty output, no NaN in any gradient, no update, no count."""
+    bn = SyncBatchNorm(4, name="empty.bn", momentum=None)
+    before = _state(bn)
+    x = torch.zeros(0, 4, 3, 3, requires_grad=True)
+    y = bn(x)
+    y.sum().backward()
+    assert y.shape == (0, 4, 3, 3) and x.grad.shape == x.shape
+    assert torch.isfinite(bn.weight.grad).all() and torch.isfinite(bn.bias.grad).all()
+    assert_state_unchanged(bn, before, "empty global batch")
+
+
+def test_single_global_row_raises_on_every_rank():
+    """One row in the whole global batch (on rank 0): every rank raises, nothing updates."""
+    bn = SyncBatchNorm(4, name="one_row.bn")
+    before = _state(bn)
+    x = torch.ones(1 if RANK == 0 else 0, 4, 1, 1)
+    with pytest.raises(ValueError, match=r"one_row\.bn: expected more than 1 value per channel"):
+        bn(x)
+    assert_state_unchanged(bn, before, "single global row")
+
+
+def test_nan_input_follows_plain_bn_or_raises_with_check_finite():
+    sizes = shard_sizes(UNEQUAL, WORLD)
+    x_all = torch.from_numpy(global_batch(7, sum(sizes), (4, 3, 3)))
+    x_all[0, 1, 0, 0] = float("nan")  # in rank 0's rows; channel 1 only
+    sync, plain = make_pair(4, 4)
+    mine = shard_slice(sizes, RANK)
+    assert_close(torch.nan_to_num(sync(x_all[mine]), 7.0), torch.nan_to_num(plain(x_all)[mine], 7.0),
+                 "NaN input: output as plain BN's")
+    for name in ("running_mean", "running_var"):
+        assert_close(torch.nan_to_num(getattr(sync, name), 7.0), torch.nan_to_num(getattr(plain, name), 7.0), name)
+
+    strict = SyncBatchNorm(4, name="strict.bn", check_finite=True)
+    before = _state(strict)
+    with pytest.raises(ValueError, match=r"strict\.bn: expected finite inputs"):
+        strict(x_all[mine])
+    assert_state_unchanged(strict, before, "check_finite")
+
+
+def test_transport_follows_the_documented_rule():
+    """$HVD_SYNCBN_COMM if set, else MPI under mpirun, else Horovod; none when alone."""
+    from hvd_syncbn import comm
+
+    want = os.environ.get("HVD_SYNCBN_COMM") or ("mpi" if comm.launched_by_mpirun() else "horovod")
+    chosen = SyncBatchNorm(4, name="rule.bn")._comm()
+    assert (chosen is None) == (WORLD == 1) and (chosen is None or chosen.kind == want), (chosen, want)

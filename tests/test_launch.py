@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -21,7 +22,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
-SUITES = ["tests/ranks_torch.py", "tests/ranks_tf.py"]
+SUITES = ["tests/ranks_torch.py", "tests/ranks_tf.py", "tests/ranks_props.py"]
 TIMEOUT_S = 600
 # A rank whose assertion fails skips collectives its peers wait in: let Horovod's stall
 # inspector shut the job down quickly instead of hanging until TIMEOUT_S.
@@ -51,15 +52,27 @@ def launch_command(launcher: str, np_: int) -> list:
 SUMMARY = r"^(?:\[[\d,]+\]<stdout>:)?(=* ?\d+ (?:passed|failed).*)$"
 
 
-def run_suite(launcher: str, np_: int, suite: str) -> str:
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_suite(launcher: str, np_: int, suite: str, comm: str = "") -> str:
+    """Run ``suite`` at ``np_`` ranks; ``comm`` sets HVD_SYNCBN_COMM (default: auto)."""
+    env = clean_env()
+    if comm:
+        env.update(HVD_SYNCBN_COMM=comm, HVD_SYNCBN_TEST_INIT=f"tcp://127.0.0.1:{free_port()}")
     with tempfile.TemporaryDirectory() as outputs:
         # mpirun forwards output in chunks, so one rank's summary can land mid-line between
         # another's progress dots: under mpirun each rank writes a file of its own.
         files = ["--output-filename", outputs] if launcher == "mpirun" else []
-        cmd = launch_command(launcher, np_) + files + [
+        passed = [a for k in ("HVD_SYNCBN_COMM", "HVD_SYNCBN_TEST_INIT") if comm and launcher == "mpirun"
+                  for a in ("-x", k)]
+        cmd = launch_command(launcher, np_) + files + passed + [
             sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "--color=no", suite,
         ]
-        out = subprocess.run(cmd, cwd=ROOT, env=clean_env(), capture_output=True, text=True, timeout=TIMEOUT_S)
+        out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
         logs = [f.read_text() for f in sorted(Path(outputs).glob("*/rank.*/stdout"))] if files else []
     log = "\n".join([out.stdout, out.stderr])
     summaries = re.findall(SUMMARY, "\n".join(logs) if files else log, re.M)  # mpirun also echoes
@@ -70,10 +83,20 @@ def run_suite(launcher: str, np_: int, suite: str) -> str:
     return log
 
 
+# The layers' transport is automatic: Horovod under horovodrun, MPI (mpi4py) under mpirun.
 RUNS = [("plain", 1), ("horovodrun-gloo", 2), ("mpirun", 2), ("horovodrun-gloo", 3), ("mpirun", 3)]
+# The other transports: Horovod's MPI controller under mpirun, torch.distributed (Gloo).
+OTHER_PATHS = [("tests/ranks_torch.py", "mpirun", 2, "horovod"), ("tests/ranks_tf.py", "mpirun", 2, "horovod"),
+               ("tests/ranks_torch.py", "horovodrun-gloo", 2, "torch"), ("tests/ranks_props.py", "mpirun", 2, "horovod")]
 
 
 @pytest.mark.parametrize("suite", SUITES)
 @pytest.mark.parametrize("launcher, np_", RUNS, ids=[f"{l}-{n}" for l, n in RUNS])
 def test_suite(launcher, np_, suite):
     run_suite(launcher, np_, suite)
+
+
+@pytest.mark.parametrize("suite, launcher, np_, comm", OTHER_PATHS,
+                         ids=[f"{s.split('/')[-1][:-3]}-{l}-{n}-{c}" for s, l, n, c in OTHER_PATHS])
+def test_suite_over_other_transports(suite, launcher, np_, comm):
+    run_suite(launcher, np_, suite, comm)  # each suite asserts that its layers use ``comm``

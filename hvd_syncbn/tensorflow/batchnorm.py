@@ -134,6 +134,7 @@ def _sync_normalize(
     process_set: Any = None,
     masks: Optional[Sequence[Optional[tf.Tensor]]] = None,
     comm: Optional[str] = None,
+    check_finite: bool = False,
 ) -> Tuple[list, tf.Tensor, tf.Tensor, tf.Tensor]:
     """Normalise every part ``xs[i]`` (towers of one process) with the statistics of all
     parts on every rank. The parts' buffers are summed in-process, then one allreduce
@@ -146,6 +147,9 @@ def _sync_normalize(
         - xs[i]: any rank, same channel dims; ``axes`` are the reduction axes.
         - gamma, beta: ``C`` elements in any shape; returned mean, variance: ``(C,)``.
         - masks[i]: broadcastable to ``xs[i]``; 0 leaves a position out of the statistics.
+
+    Raises (as ``InvalidArgumentError`` in graphs) on a global batch of one row and, with
+    ``check_finite``, on non-finite statistics, before anything downstream runs.
     """
     channels = int(np.prod([d or -1 for a, d in enumerate(xs[0].shape) if a not in axes]))
     allreduce = _allreduce_sum(tf_comm.resolve(comm, process_set, name), name, xs[0], channels)
@@ -162,6 +166,11 @@ def _sync_normalize(
         total, mean, var = backend.unpack_moments(
             _ops, allreduce(tf.add_n(local), backend.collective_name(name, "fwd"))
         )
+        checks = [tf.debugging.assert_none_equal(total, tf.ones_like(total), message=backend.single_row_message(name))]
+        if check_finite:
+            checks.append(tf.debugging.assert_all_finite(mean + var, backend.non_finite_message(name)))
+        with tf.control_dependencies(checks):  # nothing downstream (updates included) runs first
+            total, mean, var = (tf.identity(t) for t in (total, mean, var))
         dtype = xs[0].dtype
         total, mean, var = (tf.cast(t, dtype) for t in (total, mean, var))
         invstd = tf.math.rsqrt(var + epsilon)
@@ -233,7 +242,8 @@ class SyncBatchNormalization(keras.layers.BatchNormalization):
     (zero included), with one allreduce forward and one backward (none with one rank or
     without Horovod). Unlike Keras's ``E[x²] − E[x]²``, the variance is computed from
     shifted values, so it stays accurate when ``|mean| ≫ std``. Inference: exactly
-    ``keras.layers.BatchNormalization``. Moving statistics follow Keras:
+    ``keras.layers.BatchNormalization``. A global batch of one row raises, as PyTorch
+    does; an empty one leaves the moving statistics alone. Moving statistics follow Keras:
     ``moving = moving·momentum + batch·(1 − momentum)``, with the biased variance.
 
     Args:
@@ -251,6 +261,9 @@ class SyncBatchNormalization(keras.layers.BatchNormalization):
             ``"auto"`` (MPI under mpirun with mpi4py, else Horovod). Default:
             ``$HVD_SYNCBN_COMM``, else ``"auto"``. When ranks disagree, every rank
             raises :class:`~hvd_syncbn.comm.SyncBatchNormError` within the timeout.
+        check_finite: raise (before any update) when the global statistics are not
+            finite, i.e. NaN/Inf in some rank's input. Default: ``False``: NaN/Inf
+            propagate as in ``keras.layers.BatchNormalization``.
         **kwargs: base layer arguments (``name``, ``dtype``, ...). ``name`` also names
             the layer's collectives and must be the same on every rank.
 
@@ -266,7 +279,7 @@ class SyncBatchNormalization(keras.layers.BatchNormalization):
     """
 
     def __init__(self, axis=-1, momentum=0.99, epsilon=1e-3, *args, synchronized=False,
-                 process_set=None, comm=None, renorm=False, **kwargs):
+                 process_set=None, comm=None, check_finite=False, renorm=False, **kwargs):
         if renorm:
             raise ValueError("SyncBatchNormalization: renorm=True is not supported; use renorm=False")
         axes = [axis] if isinstance(axis, int) else [int(a) for a in axis]
@@ -277,6 +290,7 @@ class SyncBatchNormalization(keras.layers.BatchNormalization):
         self.axis = axis if isinstance(axis, int) else axes
         self.process_set = process_set
         self.comm = comm
+        self.check_finite = bool(check_finite)
         transport.requested_kind(comm)
 
     def build(self, input_shape):
@@ -342,7 +356,8 @@ class SyncBatchNormalization(keras.layers.BatchNormalization):
             mask = tf.expand_dims(tf.cast(mask, x.dtype), -1)
         if sync:
             (y,), mean, var, total = _sync_normalize(
-                [x], self.gamma, self.beta, axes, self.epsilon, self.name, self.process_set, [mask], self.comm
+                [x], self.gamma, self.beta, axes, self.epsilon, self.name, self.process_set, [mask], self.comm,
+                self.check_finite,
             )
             for moving, new in ((self.moving_mean, mean), (self.moving_variance, var)):
                 new = tf.cast(tf.reshape(new, moving.shape), moving.dtype)
@@ -360,4 +375,5 @@ class SyncBatchNormalization(keras.layers.BatchNormalization):
         ps = self.process_set
         config["process_set"] = ps.ranks if hasattr(ps, "ranks") else ps
         config["comm"] = None if isinstance(self.comm, transport.Communicator) else self.comm
+        config["check_finite"] = self.check_finite
         return config

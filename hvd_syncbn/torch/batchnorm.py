@@ -9,6 +9,7 @@ import itertools
 from typing import Any, Optional, Sequence
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 from torch.nn.modules.batchnorm import _BatchNorm
 
@@ -95,11 +96,8 @@ class _SyncBatchNormFn(torch.autograd.Function):
         )
         n = float(total)
         backend.check_global_count(layer.layer_name, n, training=True)
-        if layer.check_finite and not bool(torch.isfinite(g_mean).all() and torch.isfinite(g_var).all()):
-            raise ValueError(
-                f"{layer.layer_name}: expected finite inputs (check_finite=True), got NaN or Inf in the "
-                f"input of at least one rank; running statistics are left unchanged"
-            )
+        if layer.check_finite:
+            backend.check_finite(layer.layer_name, bool(torch.isfinite(g_mean).all() and torch.isfinite(g_var).all()))
         mean, var = g_mean.to(acc), g_var.to(acc)
         momentum = layer._momentum_now(n)
         if momentum is not None:
@@ -252,6 +250,13 @@ class SyncBatchNorm(_BatchNorm):
         comm = self._comm() if use_batch_stats else None
         if comm is None:
             self._check_input_dim(input)
+            if self.training:  # as across ranks: a lone row raises, an empty batch counts nothing
+                rows = input.numel() // input.shape[1] if input.shape[1] else 0
+                backend.check_global_count(self.layer_name, rows, training=True)
+                if self.check_finite:
+                    backend.check_finite(self.layer_name, bool(torch.isfinite(input).all()))
+                if rows == 0:
+                    return F.batch_norm(input, None, None, self.weight, self.bias, True, 0.0, self.eps)
             return super().forward(input)  # plain BN: the native fast path
         return _SyncBatchNormFn.apply(input, self.weight, self.bias, self, comm)
 

@@ -76,8 +76,8 @@ class TorchDistComm(base.Communicator):
     def __init__(self, group: Any) -> None:
         self.group = group
         self.rank, self.size = dist.get_rank(group), dist.get_world_size(group)
-        ranks = None if group is None else dist.get_process_group_ranks(group)
-        self._side_group = dist.new_group(ranks)
+        ranks = dist.get_process_group_ranks(group or dist.group.WORLD)
+        self._side_group = dist.new_group(ranks, use_local_synchronization=True)  # members only
         self._side: Optional[TorchDistComm] = None
 
     def start(self, buf, name):
@@ -156,5 +156,10 @@ def _build(want: str, process_set: Any, layer: str, hvd_on: bool) -> base.Commun
         raise ValueError(
             f"{layer}: with comm='torch', expected process_set to be a torch.distributed "
             f"ProcessGroup (from dist.new_group), got {type(process_set).__name__}"
+        )
+    if process_set is not None and dist.get_rank(process_set) < 0:
+        raise ValueError(
+            f"{layer}: this rank ({dist.get_rank()}) is not in the layer's process set "
+            f"{dist.get_process_group_ranks(process_set)}; build the layer only on member ranks"
         )
     return TorchDistComm(process_set)
