@@ -1,1 +1,9 @@
-"""Synchronized batch normalization for Horovod."""
+"""Synchronized batch normalization for Horovod.
+
+Framework-free here: the collective timeout and the error raised when ranks disagree.
+The layers live in :mod:`hvd_syncbn.torch` and :mod:`hvd_syncbn.tensorflow`.
+"""
+
+from hvd_syncbn.comm import SyncBatchNormError, SyncBatchNormInputError, get_timeout, set_timeout
+
+__all__ = ["SyncBatchNormError", "SyncBatchNormInputError", "get_timeout", "set_timeout"]

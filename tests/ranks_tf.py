@@ -230,7 +230,8 @@ def test_bad_input_names_layer(x, match):
 
 
 @pytest.mark.parametrize("kwargs, match", [(dict(momentum=1.5), r"momentum in \[0, 1\]"),
-                                           (dict(epsilon=0.0), "epsilon > 0"), (dict(renorm=True), "renorm")])
+                                           (dict(epsilon=0.0), "epsilon > 0"), (dict(renorm=True), "renorm"),
+                                           (dict(comm="nccl"), "comm: expected one of auto, horovod, mpi")])
 def test_bad_arguments(kwargs, match):
     with pytest.raises(ValueError, match=match):
         SyncBatchNormalization(**kwargs)

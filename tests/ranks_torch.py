@@ -245,7 +245,8 @@ def test_bad_input_names_layer(x, match):
 @pytest.mark.parametrize(
     "kwargs, match",
     [(dict(num_features=0), "num_features"), (dict(num_features=4, eps=0.0), "eps > 0"),
-     (dict(num_features=4, momentum=1.5), r"momentum in \[0, 1\]")],
+     (dict(num_features=4, momentum=1.5), r"momentum in \[0, 1\]"),
+     (dict(num_features=4, comm="nccl"), r"comm: expected one of auto, horovod, mpi, torch, got 'nccl'")],
 )
 def test_bad_arguments(kwargs, match):
     with pytest.raises(ValueError, match=match):
