@@ -4,7 +4,8 @@ Keras BN, Horovod's own Keras 2 layer and Keras 3's ``synchronized=True``.
     python benchmarks/bench_tf.py              # 2 ranks, every configuration, one table
     python benchmarks/run.py                   # the full report (calls jobs() below)
 
-Each configuration is its own job on this machine, 1 thread per process:
+Each configuration is its own job on this machine, 1 intra-op and 2 inter-op threads per
+process (``BENCH_TF_INTER_OP``):
 
 - ``ours``: ours and local ``keras.layers.BatchNormalization``, interleaved, under
   ``launch/mpirun.sh``, once per ``HVD_SYNCBN_COMM`` value asked for;
@@ -44,7 +45,9 @@ def worker(impl: str, out: str, iters: int, shapes: list, count_steps: int) -> N
     import tensorflow as tf
 
     tf.config.threading.set_intra_op_parallelism_threads(1)
-    tf.config.threading.set_inter_op_parallelism_threads(1)
+    # 2, not 1: with one inter-op thread the Keras layer's Horovod transport (a
+    # tf.numpy_function that runs Horovod's eager allreduce) waits for itself and times out.
+    tf.config.threading.set_inter_op_parallelism_threads(int(os.environ.get("BENCH_TF_INTER_OP", "2")))
     hvd = None
     if impl == "keras3_sync":
         strategy = tf.distribute.MultiWorkerMirroredStrategy()
@@ -81,6 +84,12 @@ def worker(impl: str, out: str, iters: int, shapes: list, count_steps: int) -> N
     def run(fn, x, dy):
         tf.nest.map_structure(lambda t: t.numpy(), fn(x, dy))  # wait for the result
 
+    if hvd is not None:
+        from common import make_barrier
+
+        barrier = make_barrier(hvd)
+    else:  # MultiWorkerMirroredStrategy: no MPI here; its collectives line the workers up
+        barrier = lambda: None  # noqa: E731
     rng = np.random.default_rng(rank)
     results = {"ranks": hvd.size() if hvd else strategy.num_replicas_in_sync,
                "comm": os.environ.get("HVD_SYNCBN_COMM", "(unset)"), "shapes": {}}
@@ -93,6 +102,7 @@ def worker(impl: str, out: str, iters: int, shapes: list, count_steps: int) -> N
         names = list(fns)
         for i in range(3 + iters if iters else 1):
             for name in names[i % len(names):] + names[: i % len(names)]:
+                barrier()
                 start = time.perf_counter()
                 run(fns[name], x, dy)
                 if i >= 3:

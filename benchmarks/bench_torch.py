@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 import horovod.torch as hvd
-from common import SHAPES, count_collectives, timed, write_json
+from common import SHAPES, count_collectives, make_barrier, timed, write_json
 from hvd_syncbn.torch import SyncBatchNorm
 
 
@@ -160,7 +160,7 @@ def main() -> None:
     torch.manual_seed(hvd.rank())
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     impls = args.impls.split(",")
-    barrier_t = torch.zeros(1)
+    barrier = make_barrier(hvd)
     result = {"ranks": hvd.size(), "comm": os.environ.get("HVD_SYNCBN_COMM", "(unset)"), "shapes": {}}
     with tempfile.TemporaryDirectory() as tmp:
         for shape in map(tuple, json.loads(args.shapes)):
@@ -168,7 +168,7 @@ def main() -> None:
             dy = torch.randn(*shape)
             objs = {i: build(i, shape) for i in impls}
             fns = {i: o if callable(o) and not isinstance(o, nn.Module) else fwd_bwd(o, x, dy) for i, o in objs.items()}
-            times = timed(fns, args.iters, lambda: hvd.allreduce(barrier_t, name="bench.barrier")) if args.iters else {}
+            times = timed(fns, args.iters, barrier) if args.iters else {}
             counts = {i: count_collectives(fn, args.count_steps, hvd, f"{i}.{shape[1]}", Path(tmp))
                       for i, fn in fns.items()} if args.count_steps else {}
             result["shapes"][json.dumps(shape)] = {"times": times, "counts": counts}

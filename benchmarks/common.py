@@ -53,6 +53,15 @@ def timed(fns: Dict[str, Callable[[], object]], iters: int, barrier: Callable[[]
     return out
 
 
+def make_barrier(hvd) -> Callable[[], None]:
+    """A barrier that lines the ranks up before each timed call: a 1-element Horovod
+    allreduce. Its wait sleeps; ``MPI_Barrier`` would spin, and with more threads than
+    cores (Horovod's loop, other work, oversubscribed ranks) spinning ranks take the
+    time slices their peers need."""
+    zero = _zero(hvd)
+    return lambda: hvd.allreduce(zero, name="bench.barrier")
+
+
 class MpiCounter:
     """MPI collectives made by this (the main) thread, from the preloaded ``mpi_count.so``;
     inert (``None`` counts) when the shim is not loaded.

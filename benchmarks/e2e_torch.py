@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import horovod.torch as hvd
-from common import count_collectives, timed, write_json
+from common import count_collectives, make_barrier, timed, write_json
 from hvd_syncbn.torch import convert_sync_batchnorm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
@@ -99,7 +99,7 @@ def main() -> None:
     args = parser.parse_args()
     hvd.init()
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    barrier_t = torch.zeros(1)
+    barrier = make_barrier(hvd)
     result = {"ranks": hvd.size(), "comm": os.environ.get("HVD_SYNCBN_COMM", "(unset)"), "nets": {}}
     with tempfile.TemporaryDirectory() as tmp:
         for net in args.nets.split(","):
@@ -111,7 +111,7 @@ def main() -> None:
             x = torch.randn(*shape)
             target = torch.randint(0, classes, target_shape(shape[0]))
             fns = {"sync": train_step(sync, f"{net}.sync", x, target), "local": train_step(local, f"{net}.local", x, target)}
-            times = timed(fns, args.iters, lambda: hvd.allreduce(barrier_t, name="bench.barrier")) if args.iters else {}
+            times = timed(fns, args.iters, barrier) if args.iters else {}
             counts = {k: count_collectives(fn, args.count_steps, hvd, f"{net}.{k}", Path(tmp))
                       for k, fn in fns.items()} if args.count_steps else {}
             result["nets"][net] = {"times": times, "counts": counts, "bn_channels": bn_channels(local),

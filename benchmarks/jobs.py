@@ -61,7 +61,7 @@ class Runner:
         """
         env = base_env(env)
         names = ["OMP_NUM_THREADS", "TF_CPP_MIN_LOG_LEVEL", "PYTHONUNBUFFERED"]
-        names += [k for k in env if k.startswith(("HVD_SYNCBN_", "TF_USE_LEGACY")) or k == "PYTHONPATH"]
+        names += [k for k in env if k.startswith(("HVD_SYNCBN_", "TF_USE_LEGACY", "BENCH_")) or k == "PYTHONPATH"]
         if count:
             env["HOROVOD_TIMELINE"] = "DYNAMIC"
             if self.shim:
@@ -101,8 +101,9 @@ class Runner:
         with self.log.open("a") as f:
             f.write(f"$ {extra} {desc}\n# rc={rc}, {took:.1f} s\n{text[-4000:]}\n\n")
         if rc != 0 or not out.exists():
-            lines = [ln for ln in text.splitlines() if ln.strip() and not ln.startswith("[")]
-            err = " / ".join(lines[-3:])[-600:] or f"exit status {rc}"
+            lines = [ln.strip() for ln in text.splitlines() if ln.strip() and not ln.startswith("[")]
+            errs = [ln for ln in lines if "Error" in ln or "error:" in ln]
+            err = (errs[-1] if errs else " / ".join(lines[-3:]))[-600:] or f"exit status {rc}"
             print(f"[bench]   FAILED ({took:.0f} s): {err}", file=sys.stderr, flush=True)
             return {"error": err}
         print(f"[bench]   done in {took:.0f} s", file=sys.stderr, flush=True)

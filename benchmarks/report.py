@@ -124,7 +124,7 @@ def torch_section(res: dict) -> tuple:
 def counts_section(res: dict) -> str:
     tl, parts = res["torch_layers"], []
     head = ["implementation (PyTorch, 2 ranks)", "transport in effect"] + [
-        f"C={k[1]}" for k in res["shapes"]]
+        f"{tuple(k)}" for k in res["shapes"]]
     rows = []
     for comm in ("horovod", "mpi"):
         job = tl.get(f"count 2/{comm}", {})
@@ -150,7 +150,7 @@ def counts_section(res: dict) -> str:
         keys = list(tfc[0][1]["shapes"])
         parts.append("\nKeras, 2 ranks (Keras 3 `synchronized=True` goes through TF's own gRPC collectives, "
                      "which neither Horovod's timeline nor the MPI shim sees: not counted):\n\n"
-                     + table(["configuration: layer"] + [f"C={json.loads(k)[1]}" for k in keys], rows))
+                     + table(["configuration: layer"] + [f"{tuple(json.loads(k))}" for k in keys], rows))
     return "\n".join(parts)
 
 
@@ -255,7 +255,9 @@ def model_section(res: dict, fitted: dict) -> tuple:
                     errs.append(((pred - fl) / fl, transport, ranks))
             check.append(row)
     parts.append("\nModel against measurement (loopback fit; the floor is the same two allreduces timed "
-                 "alone; ours − local adds our layer's extra compute):\n\n" + table(
+                 "between the layers' runs; ours − local adds our layer's extra compute). Where a measured floor "
+                 "is far above the sweep's own time for the same sizes, the ranks were not scheduled together "
+                 "(other load on the 2 cores, or 4 ranks on 2 cores): the model has no term for that.\n\n" + table(
                      ["ranks", "C", "predicted, Horovod", "floor_hvd measured", "rel. err", "ours − local",
                       "rel. err", "predicted, mpi4py", "floor_mpi measured", "rel. err", "ours[mpi] − local",
                       "rel. err"], check))
@@ -394,6 +396,24 @@ def write_report(res: dict, out: Path) -> Path:
         for net, r in e.get(comm, {}).get("nets", {}).items():
             s, l_ = r["times"]["sync"]["median"], r["times"]["local"]["median"]
             lines.append(f"- Training step, {net}, 2 ranks [{comm}]: SyncBN / local BN = {s / l_:.2f}×.")
+    t = res.get("tf_layers", {})
+    for comm in ("horovod", "mpi"):
+        job = t.get(f"ours[{comm}]", {})
+        if "shapes" not in job:
+            continue
+        keys = list(job["shapes"])
+
+        def vs(other_job: dict, impl: str, job=job, keys=keys) -> str:
+            return " ".join(f"{med(job, k, 'ours') / med(other_job, k, impl):.2f}" for k in keys)
+
+        lines.append(f"- Keras per layer, 2 ranks [{comm}], shapes in order: ours/local {vs(job, 'local')}; "
+                     f"ours/hvd Keras 2 {vs(t.get('hvd_keras2', {}), 'hvd_keras2')}; "
+                     f"ours/Keras 3 sync {vs(t.get('keras3_sync', {}), 'keras3_sync')}.")
+    if "load_start" in res:
+        la = lambda v: ", ".join(f"{x:.1f}" for x in v)  # noqa: E731
+        lines.append(f"- Load average (1, 5, 15 min) at the start {la(res['load_start'])}, at the end "
+                     f"{la(res['load_end'])}, on {res['cores']} cores: values near or above {res['cores']} mean "
+                     "other work shared the cores, and collectives waited for descheduled ranks.")
     if errs:
         for transport in ("horovod", "mpi4py"):
             sel = [abs(x[0]) for x in errs if x[1] == transport]

@@ -1,7 +1,7 @@
 """One benchmark run, one report: results/bench/REPORT.md, its plots, and results.json.
 
     python benchmarks/run.py                  # everything, about 15-25 minutes on 2 cores
-    python benchmarks/run.py --quick          # smoke test: 2 shapes, a few iterations
+    python benchmarks/run.py --quick          # smoke test of every part: 2 shapes, few iterations
     python benchmarks/report.py results/bench/results.json     # redo the report only
 
 Parts (each a series of jobs launched from here, one after another; a job that fails
@@ -35,11 +35,12 @@ COMMS = ("horovod", "mpi")
 ALL_IMPLS = "ours,local,floor_hvd,floor_mpi,hand"
 
 
-def torch_layers(runner: Runner, shapes: list, iters: int, ranks_list: list, count_steps: int) -> dict:
+def torch_layers(runner: Runner, shapes: list, iters: int, ranks_list: list, count_steps: int,
+                 quick: bool) -> dict:
     out = {}
     args = ["--shapes", json.dumps(shapes), "--iters", str(iters)]
     for ranks in ranks_list:
-        for comm in COMMS:
+        for comm in COMMS if ranks == 2 or not quick else COMMS[:1]:
             impls = ALL_IMPLS if comm == "horovod" else "ours,local,floor_mpi"
             extra = ["--refusals"] if comm == "horovod" and ranks == 2 else []
             out[f"{ranks}/{comm}"] = runner.mpirun(ranks, "bench_torch.py", [*args, "--impls", impls, *extra],
@@ -52,9 +53,9 @@ def torch_layers(runner: Runner, shapes: list, iters: int, ranks_list: list, cou
     return out
 
 
-def e2e(runner: Runner, iters: int, nets: str, count_steps: int) -> dict:
+def e2e(runner: Runner, iters: int, nets: str, count_steps: int, quick: bool) -> dict:
     out = {}
-    for comm in COMMS:
+    for comm in COMMS[:1] if quick else COMMS:
         out[comm] = runner.mpirun(2, "e2e_torch.py", ["--iters", str(iters), "--nets", nets, "--count-steps", "0"],
                                   env={"HVD_SYNCBN_COMM": comm})
         if count_steps:
@@ -75,16 +76,16 @@ def netns_reason() -> str:
     return "" if probe.returncode == 0 else f"ip netns unusable: {probe.stderr.strip()[:200]}"
 
 
-def alphabeta(runner: Runner, iters: int, sizes: list, netns: bool) -> dict:
+def alphabeta(runner: Runner, iters: int, sizes: list, netns: bool, quick: bool) -> dict:
     out = {"loopback": {}, "netns": {}}
     args = ["--iters", str(iters), "--sizes", json.dumps(sizes)]
-    for ranks in (1, 2, 3, 4):
+    for ranks in (1, 2, 4) if quick else (1, 2, 3, 4):
         out["loopback"][str(ranks)] = runner.mpirun(ranks, "alphabeta.py", [*args, "--label", "loopback"])
     reason = netns_reason() if netns else "skipped (--no-netns)"
     if reason:
         out["netns_skipped"] = reason
         return out
-    for hosts, slots in ((2, 1), (2, 2)):
+    for hosts, slots in ((2, 1),) if quick else ((2, 1), (2, 2)):
         out["netns"][str(hosts * slots)] = runner.mpirun(hosts * slots, "alphabeta.py", [*args, "--label", "netns"],
                                                          netns=(hosts, slots))
     return out
@@ -103,7 +104,12 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=ROOT / "results" / "bench")
     parser.add_argument("--no-tf", action="store_true", help="skip the Keras jobs")
     parser.add_argument("--no-netns", action="store_true", help="skip the namespace-hosts fit")
+    parser.add_argument("--wait-quiet", type=float, default=0, metavar="S",
+                        help="first wait up to S seconds for the 1-minute load average to drop below 1")
     args = parser.parse_args()
+    deadline = time.time() + args.wait_quiet
+    while time.time() < deadline and os.getloadavg()[0] >= 1.0:
+        time.sleep(10)
     q = args.quick
     shapes = [list(s) for s in (QUICK_SHAPES if q else SHAPES)]
     conf = {
@@ -117,13 +123,14 @@ def main() -> None:
     log.write_text("")
     start = time.time()
     res = {"quick": q, "conf": conf, "shapes": shapes, "commit": git_commit(), "cores": os.cpu_count(),
-           "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "argv": " ".join(sys.argv)}
+           "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "argv": " ".join(sys.argv),
+           "load_start": os.getloadavg()}
     with tempfile.TemporaryDirectory() as tmp:
         runner = Runner(Path(tmp), log, build_shim(Path(tmp)))
         res["counting_shim"] = runner.shim is not None
-        res["torch_layers"] = torch_layers(runner, shapes, conf["layer_iters"], conf["ranks"], conf["count_steps"])
-        res["e2e"] = e2e(runner, conf["e2e_iters"], conf["e2e_nets"], conf["count_steps"])
-        res["alphabeta"] = alphabeta(runner, conf["ab_iters"], conf["ab_sizes"], not args.no_netns)
+        res["torch_layers"] = torch_layers(runner, shapes, conf["layer_iters"], conf["ranks"], conf["count_steps"], q)
+        res["e2e"] = e2e(runner, conf["e2e_iters"], conf["e2e_nets"], conf["count_steps"], q)
+        res["alphabeta"] = alphabeta(runner, conf["ab_iters"], conf["ab_sizes"], not args.no_netns, q)
         if args.no_tf:
             res["tf_layers"] = {"skipped": "--no-tf"}
         else:
@@ -131,6 +138,7 @@ def main() -> None:
             res["tf_layers"] = bench_tf.jobs(runner, tf_shapes, conf["tf_iters"], 2, COMMS,
                                              0 if q else conf["count_steps"])
     res["seconds"] = time.time() - start
+    res["load_end"] = os.getloadavg()
     (args.out / "results.json").write_text(json.dumps(res, indent=1))
     from report import write_report
 
