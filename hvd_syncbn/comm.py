@@ -26,7 +26,7 @@ import os
 import time
 import zlib
 from dataclasses import asdict, dataclass
-from typing import Any, Callable, List, Optional
+from typing import Any, Callable, List, Optional, Tuple
 
 import numpy as np
 
@@ -94,15 +94,34 @@ def launched_by_mpirun() -> bool:
     return any(k in os.environ for k in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK"))
 
 
-_announced = False
+def choose(kind: Any, horovod: Optional[Tuple[int, int]], process_group: bool = False) -> Tuple[Any, str]:
+    """The documented rule: ``(transport, why)`` for a layer's ``comm`` argument.
+
+    ``horovod`` is Horovod's ``(size, rank)`` if initialised; ``process_group`` says
+    whether a ``torch.distributed`` default group exists. Under ``auto``: torch if a
+    group exists, else MPI if usable, else Horovod, else ``None`` (this process is alone).
+    """
+    want = requested_kind(kind)
+    if want != "auto":
+        return want, "requested"
+    if process_group:
+        return "torch", "a torch.distributed process group exists"
+    why = mpi_usable(*(horovod or (None, None)))
+    if not why:
+        return "mpi", "launched by mpirun with mpi4py"
+    return ("horovod" if horovod else None), why
 
 
-def announce(kind: str, rank: int, why: str) -> None:
-    """Log the chosen transport once per process, on rank 0."""
-    global _announced
-    if not _announced and rank == 0:
-        log.warning("hvd_syncbn: statistics travel over %s (%s; set %s to change)", kind, why, COMM_ENV)
-    _announced = True
+_cache: dict = {}
+
+
+def cached(key: Any, build: Callable[[], "Communicator"], why: str) -> "Communicator":
+    """One communicator per ``key`` per process; the first one built is logged on rank 0."""
+    if key not in _cache:
+        _cache[key] = build()
+        if len(_cache) == 1 and _cache[key].rank == 0:
+            log.warning("hvd_syncbn: statistics travel over %s (%s; set %s to change)", key[0], why, COMM_ENV)
+    return _cache[key]
 
 
 class Communicator:

@@ -23,9 +23,6 @@ try:
 except ImportError:  # pragma: no cover - exercised only where Horovod is missing
     hvd = None
 
-_cache: dict = {}
-
-
 def prepend(head: List[float], buf: np.ndarray) -> np.ndarray:
     return np.concatenate([np.asarray(head, dtype=np.float64), buf])
 
@@ -104,31 +101,20 @@ def resolve_process_set(process_set: Any) -> Any:
     )
 
 
-def resolve(kind: Optional[str], process_set: Any, layer: str) -> Optional[base.Communicator]:
+def resolve(kind: Any, process_set: Any, layer: str) -> Optional[base.Communicator]:
     """The communicator for a layer, or ``None`` when this process is alone (plain BN)."""
-    want, why = base.requested_kind(kind), "requested"
-    if isinstance(want, base.Communicator):
-        return want if want.size > 1 else None
     hvd_on = hvd is not None and hvd.is_initialized()
+    want, why = base.choose(kind, (hvd.size(), hvd.rank()) if hvd_on else None)
     if want == "torch":
         raise ValueError(f"{layer}: comm='torch' is PyTorch's; with TensorFlow use 'horovod', 'mpi' or 'auto'")
+    if not isinstance(want, str):
+        return want if want is not None and want.size > 1 else None
     ps = resolve_process_set(process_set) if hvd_on else None
     if hvd_on and not ps.included():
         raise ValueError(f"{layer}: this rank ({hvd.rank()}) is not in the layer's process set {ps.ranks}; "
                          f"build the layer only on member ranks")
-    if want == "auto":
-        why = base.mpi_usable(hvd.size() if hvd_on else None, hvd.rank() if hvd_on else None)
-        if not why:
-            want, why = "mpi", "launched by mpirun with mpi4py"
-        elif hvd_on:
-            want = "horovod"
-        else:
-            return None
-    key = (want, None if ps is None else ps.process_set_id)
-    if key not in _cache:
-        _cache[key] = _build(want, ps, layer, hvd_on)
-        base.announce(want, _cache[key].rank, why)
-    comm = _cache[key]
+    key = (want, "tf", None if ps is None else ps.process_set_id)
+    comm = base.cached(key, lambda: _build(want, ps, layer, hvd_on), why)
     return comm if comm.size > 1 else None
 
 

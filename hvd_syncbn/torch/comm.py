@@ -21,9 +21,6 @@ try:
 except ImportError:  # pragma: no cover - exercised only where Horovod is missing
     hvd = None
 
-_cache: dict = {}
-
-
 def prepend(head: list, buf: torch.Tensor) -> torch.Tensor:
     return torch.cat([torch.tensor(head, dtype=buf.dtype, device=buf.device), buf])
 
@@ -104,31 +101,19 @@ class TorchDistComm(base.Communicator):
         return torch.from_numpy(arr)
 
 
-def resolve(kind: Optional[str], process_set: Any, layer: str) -> Optional[base.Communicator]:
+def resolve(kind: Any, process_set: Any, layer: str) -> Optional[base.Communicator]:
     """The communicator a layer uses now, or ``None`` when it is alone (plain BN)."""
-    want, why = base.requested_kind(kind), "requested"
-    if isinstance(want, base.Communicator):
-        return want if want.size > 1 else None
     hvd_on = hvd is not None and hvd.is_initialized()
-    if want == "auto":
-        if dist.is_available() and dist.is_initialized():
-            want, why = "torch", "a torch.distributed process group exists"
-        elif not (why := base.mpi_usable(hvd.size() if hvd_on else None, hvd.rank() if hvd_on else None)):
-            want, why = "mpi", "launched by mpirun with mpi4py"
-        elif hvd_on:
-            want = "horovod"
-        else:
-            return None
+    want, why = base.choose(kind, (hvd.size(), hvd.rank()) if hvd_on else None,
+                            dist.is_available() and dist.is_initialized())
+    if not isinstance(want, str):
+        return want if want is not None and want.size > 1 else None
     if hvd_on and isinstance(process_set, hvd.ProcessSet) and not process_set.included():
         raise ValueError(
             f"{layer}: this rank ({hvd.rank()}) is not in the layer's process set {process_set}; "
             f"build the layer only on member ranks"
         )
-    key = (want, _set_key(process_set))
-    if key not in _cache:
-        _cache[key] = _build(want, process_set, layer, hvd_on)
-        base.announce(want, _cache[key].rank, why)
-    return _cache[key]
+    return base.cached((want, _set_key(process_set)), lambda: _build(want, process_set, layer, hvd_on), why)
 
 
 def _set_key(process_set: Any) -> Any:

@@ -1,0 +1,155 @@
+"""Per-layer forward+backward of SyncBN over each transport against compute only.
+
+    mpirun -np 2 python benchmarks/bench_comm.py        # torch and keras, one table each
+
+"compute only" is the same layer with :class:`hvd_syncbn.comm.LocalCommunicator`: every
+step of the layer (packing, header, checks) except the transport. Medians of
+interleaved runs, measured in this run; rank 0 prints ms and the excess over compute.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+import numpy as np
+
+SHAPES = [(8, 64, 56, 56), (2, 256, 64, 64), (8, 512, 28, 28), (4, 2048, 7, 7), (2, 64, 128, 128)]
+# The 53 BN layers of ResNet-50: stem, then per stage (blocks x 3 layers) + the projection's.
+RESNET50 = [64] + [c for width, blocks in ((64, 3), (128, 4), (256, 6), (512, 3))
+                   for c in [width, width, 4 * width] * blocks + [4 * width]]
+PATHS = ["local", "mpi", "horovod"]
+
+
+def timed(fns, iters, barrier):
+    samples = [[] for _ in fns]
+    for i in range(iters + 3):
+        for j in [(i + k) % len(fns) for k in range(len(fns))]:
+            barrier()
+            start = time.perf_counter()
+            fns[j]()
+            if i >= 3:
+                samples[j].append((time.perf_counter() - start) * 1e3)
+    return [statistics.median(s) for s in samples]
+
+
+def comms(comm_module, world, rank):
+    return {"local": comm_module.LocalCommunicator(world, rank), "mpi": "mpi", "horovod": "horovod"}
+
+
+def bench_torch(iters, world, rank, barrier):
+    import torch
+    from hvd_syncbn import comm
+    from hvd_syncbn.torch import SyncBatchNorm
+
+    torch.set_num_threads(1)
+    rows = []
+    for n, c, h, w in SHAPES:
+        x = torch.randn(n, c, h, w, requires_grad=True)
+        dy = torch.randn(n, c, h, w)
+        fns = []
+        for path, kind in comms(comm, world, rank).items():
+            layer = SyncBatchNorm(c, comm=kind, name=f"bench.{path}.{c}.{h}")
+
+            def step(layer=layer):
+                x.grad = None
+                layer(x).backward(dy)
+
+            fns.append(step)
+        rows.append(((n, c, h, w), timed(fns, iters, barrier)))
+    return rows
+
+
+def bench_tf(iters, world, rank, barrier):
+    import tensorflow as tf
+    from hvd_syncbn import comm
+    from hvd_syncbn.tensorflow import SyncBatchNormalization
+
+    tf.config.threading.set_intra_op_parallelism_threads(1)
+    tf.config.threading.set_inter_op_parallelism_threads(1)
+    rows = []
+    for n, c, h, w in SHAPES:
+        x = tf.random.normal([n, h, w, c])
+        dy = tf.random.normal([n, h, w, c])
+        fns = []
+        for path, kind in comms(comm, world, rank).items():
+            layer = SyncBatchNormalization(comm=kind, name=f"bench_{path}_{c}_{h}")
+            layer.build(x.shape)
+
+            @tf.function
+            def step(layer=layer):
+                with tf.GradientTape() as tape:
+                    tape.watch(x)
+                    y = layer(x, training=True)
+                return tape.gradient(y, x, output_gradients=dy)
+
+            step()
+            fns.append(lambda step=step: step().numpy())
+        rows.append(((n, h, w, c), timed(fns, iters, barrier)))
+    return rows
+
+
+def bench_torch_stack(iters, world, rank, barrier):
+    """Forward then backward through ResNet-50's 53 BN layers on (2, C, 4, 4) maps: the
+    per-step cost of the statistics collectives, which run one after another."""
+    import torch
+    from hvd_syncbn import comm
+    from hvd_syncbn.torch import SyncBatchNorm
+
+    torch.set_num_threads(1)
+    xs = [torch.randn(2, c, 4, 4, requires_grad=True) for c in RESNET50]
+    fns = []
+    for path, kind in comms(comm, world, rank).items():
+        layers = [SyncBatchNorm(c, comm=kind, name=f"stack.{path}.{i}") for i, c in enumerate(RESNET50)]
+
+        def step(layers=layers):
+            sum(layer(x).sum() for layer, x in zip(layers, xs)).backward()
+
+        fns.append(step)
+    return timed(fns, iters, barrier)
+
+
+def report(title, rows):
+    print(f"\n{title} (ms per layer, fwd+bwd; median; excess = path - compute only)")
+    print("| shape | compute only | " + " | ".join(f"{p} | {p} excess" for p in PATHS[1:]) + " |")
+    print("|---|---|" + "---|---|" * (len(PATHS) - 1))
+    for shape, (local, *others) in rows:
+        cells = " | ".join(f"{t:.2f} | {t - local:+.2f}" for t in others)
+        print(f"| {shape} | {local:.2f} | {cells} |")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--iters", type=int, default=30)
+    parser.add_argument("--framework", choices=["torch", "tf", "both"], default="both")
+    args = parser.parse_args()
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    from mpi4py import MPI
+
+    world, rank = MPI.COMM_WORLD.Get_size(), MPI.COMM_WORLD.Get_rank()
+    barrier = MPI.COMM_WORLD.Barrier
+    if args.framework in ("torch", "both"):
+        import horovod.torch as hvd
+
+        hvd.init()
+        rows = bench_torch(args.iters, world, rank, barrier)
+        stack = bench_torch_stack(args.iters, world, rank, barrier)
+        if rank == 0:
+            report(f"PyTorch, {world} ranks under mpirun", rows)
+            local, *others = stack
+            print(f"\nResNet-50's {len(RESNET50)} BN layers, fwd+bwd per step (ms): compute only {local:.2f}; "
+                  + "; ".join(f"{p} {t:.2f} ({t - local:+.2f})" for p, t in zip(PATHS[1:], others))
+                  + f"; mpi saves {others[1] - others[0]:.2f} ms per step over horovod")
+    if args.framework in ("tf", "both"):
+        import horovod.tensorflow as hvd_tf
+
+        hvd_tf.init()
+        rows = bench_tf(args.iters, world, rank, barrier)
+        if rank == 0:
+            report(f"Keras, {world} ranks under mpirun", rows)
+
+
+if __name__ == "__main__":
+    main()
