@@ -130,6 +130,9 @@ class Communicator:
     kind = "?"
     rank = 0
     size = 1
+    spins = 0
+    """Polls before the caller starts sleeping between polls: MPI progresses only inside
+    its calls, so it spins; transports with their own threads should not steal a core."""
 
     def start(self, buf: Buffer, name: str) -> Any:
         """Begin summing ``buf`` (which may be reused as the output); return a handle."""
@@ -215,8 +218,8 @@ _orphans: list = []
 
 
 def _wait(comm: Communicator, handle: Any, deadline: float) -> bool:
-    """Poll until done (spinning first: MPI progresses only inside its calls); False at the deadline."""
-    for _ in range(2000):
+    """Poll until done (spinning first where the transport wants it); False at the deadline."""
+    for _ in range(comm.spins):
         if comm.done(handle):
             return True
     while not comm.done(handle):
@@ -350,6 +353,7 @@ class MpiCommunicator(Communicator):
     """mpi4py ``Iallreduce`` on a duplicate of ``MPI.COMM_WORLD`` (or of a group of it)."""
 
     kind = "mpi"
+    spins = 2000
 
     def __init__(self, ranks: Optional[List[int]] = None) -> None:
         from mpi4py import MPI
