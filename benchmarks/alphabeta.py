@@ -3,8 +3,10 @@ latency/bandwidth fit in ``scaling.py``.
 
     launch/mpirun.sh -np 2 -- python benchmarks/alphabeta.py        # prints a table
 
-Every size is a float64 buffer summed in place; the two transports alternate call by
-call after an ``MPI_Barrier``; rank 0 keeps the median of ``--iters`` calls.
+Every size is a float64 buffer summed in place; ``--iters`` rounds each time every size
+through both transports, one call after an ``MPI_Barrier`` each (here the barrier's
+spin is harmless: nothing else of ours runs). Rank 0 keeps each point's median and
+lower decile (``*_p10``: the uncontended cost on a shared machine).
 """
 
 from __future__ import annotations
@@ -35,21 +37,29 @@ def main() -> None:
     hvd.init()
     torch.set_num_threads(1)
     comm = MPI.COMM_WORLD
-    rows = []
-    for n in json.loads(args.sizes):
-        t = torch.zeros(n, dtype=torch.float64)
-        a = np.zeros(n)
-        fns = {"horovod": lambda: hvd.allreduce_(t, op=hvd.Sum, name=f"ab.{n}"),
-               "mpi4py": lambda: comm.Allreduce(MPI.IN_PLACE, a, op=MPI.SUM)}
-        samples = {k: [] for k in fns}
-        for i in range(3 + args.iters):
-            for k in (list(fns) if i % 2 else list(fns)[::-1]):
+    sizes = json.loads(args.sizes)
+    bufs = {n: (torch.zeros(n, dtype=torch.float64), np.zeros(n)) for n in sizes}
+    fns = {n: {"horovod": lambda t=t, n=n: hvd.allreduce_(t, op=hvd.Sum, name=f"ab.{n}"),
+               "mpi4py": lambda a=a: comm.Allreduce(MPI.IN_PLACE, a, op=MPI.SUM)}
+           for n, (t, a) in bufs.items()}
+    samples = {(n, k): [] for n in sizes for k in ("horovod", "mpi4py")}
+    # Rounds over every size and transport, so that a burst of other load hits all alike.
+    for i in range(3 + args.iters):
+        for n in sizes:
+            for k in ("horovod", "mpi4py") if i % 2 else ("mpi4py", "horovod"):
                 comm.Barrier()
                 start = time.perf_counter()
-                fns[k]()
+                fns[n][k]()
                 if i >= 3:
-                    samples[k].append((time.perf_counter() - start) * 1e3)
-        rows.append({"elems": n, "bytes": 8 * n, **{k: statistics.median(v) for k, v in samples.items()}})
+                    samples[(n, k)].append((time.perf_counter() - start) * 1e3)
+    rows = []
+    for n in sizes:
+        row = {"elems": n, "bytes": 8 * n}
+        for k in ("horovod", "mpi4py"):
+            s = sorted(samples[(n, k)])
+            row[k] = statistics.median(s)
+            row[f"{k}_p10"] = s[len(s) // 10]
+        rows.append(row)
     if hvd.rank() != 0:
         return
     host = os.uname().nodename

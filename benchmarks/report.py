@@ -26,6 +26,14 @@ def med(job: dict, shape: str, impl: str) -> float:
         return math.nan
 
 
+def quartile(job: dict, shape: str, impl: str) -> float:
+    """The lower quartile of a timed implementation: less of other load in it than the median."""
+    try:
+        return job["shapes"][shape]["times"][impl]["q1"]
+    except (KeyError, TypeError):
+        return math.nan
+
+
 def ratio(a: float, b: float) -> str:
     return "—" if not (a == a and b == b and b > 0) else f"**{a / b:.2f}×**"
 
@@ -210,10 +218,11 @@ def fits(res: dict, oversubscribed: bool = False) -> dict:
     ab, cores = res["alphabeta"], res["cores"] or 1
     for network in ("loopback", "netns"):
         for transport in ("horovod", "mpi4py"):
-            pts = [(job["ranks"], r["bytes"], r[transport]) for job in ab.get(network, {}).values()
+            col = lambda r: r.get(f"{transport}_p10", r[transport])  # noqa: E731
+            pts = [(job["ranks"], r["bytes"], col(r)) for job in ab.get(network, {}).values()
                    if "rows" in job and (oversubscribed or job["ranks"] <= cores) for r in job["rows"]]
             if network == "netns":  # one rank has no network: reuse loopback's 1-rank points
-                pts += [(1, r["bytes"], r[transport]) for r in ab["loopback"].get("1", {}).get("rows", [])]
+                pts += [(1, r["bytes"], col(r)) for r in ab["loopback"].get("1", {}).get("rows", [])]
             if len({p[0] for p in pts}) >= 2:
                 out[(transport, network)] = scaling.fit(pts)
     return out
@@ -250,17 +259,19 @@ def model_section(res: dict, fitted: dict) -> tuple:
                 p = fitted.get((transport, "loopback"))
                 pred = scaling.cost(p, ours, ranks) if p else math.nan
                 fl, over = med(job, key, floor), med(job, key, "ours") - med(job, key, "local")
-                row += [ms(pred), ms(fl), rel(pred, fl), ms(over), rel(pred, over)]
-                if fl == fl and fl > 0:
-                    errs.append(((pred - fl) / fl, transport, ranks))
+                fl_q1 = quartile(job, key, floor)
+                row += [ms(pred), f"{ms(fl)} ({ms(fl_q1)})", f"{rel(pred, fl)} ({rel(pred, fl_q1)})", ms(over),
+                        rel(pred, over)]
+                if fl_q1 == fl_q1 and fl_q1 > 0:
+                    errs.append(((pred - fl_q1) / fl_q1, transport, ranks))
             check.append(row)
     parts.append("\nModel against measurement (loopback fit; the floor is the same two allreduces timed "
                  "between the layers' runs; ours − local adds our layer's extra compute). Where a measured floor "
                  "is far above the sweep's own time for the same sizes, the ranks were not scheduled together "
                  "(other load on the 2 cores, or 4 ranks on 2 cores): the model has no term for that.\n\n" + table(
-                     ["ranks", "C", "predicted, Horovod", "floor_hvd measured", "rel. err", "ours − local",
-                      "rel. err", "predicted, mpi4py", "floor_mpi measured", "rel. err", "ours[mpi] − local",
-                      "rel. err"], check))
+                     ["ranks", "C", "predicted, Horovod", "floor_hvd measured: median (q1)", "rel. err",
+                      "ours − local", "rel. err", "predicted, mpi4py", "floor_mpi measured: median (q1)",
+                      "rel. err", "ours[mpi] − local", "rel. err"], check))
     # predictions
     key = ("mpi4py", "netns") if ("mpi4py", "netns") in fitted else ("mpi4py", "loopback")
     nets = {"ResNet-50 (53 BN)": scaling.resnet50_bn_channels(), "DeepLab-v3, ResNet-50 (60 BN)":
@@ -339,11 +350,12 @@ def plots(res: dict, fitted: dict, preds: dict, out: Path) -> list:
                 if "rows" not in job:
                     continue
                 xs = [r["bytes"] for r in job["rows"]]
-                line = ax.loglog(xs, [r[transport] for r in job["rows"]], marker, label=f"{network} W={w}")[0]
+                ys = [r.get(f"{transport}_p10", r[transport]) for r in job["rows"]]
+                line = ax.loglog(xs, ys, marker, label=f"{network} W={w}")[0]
                 if p:
                     ax.loglog(xs, [scaling.cost(p, [("allreduce", x)], int(w)) for x in xs], "-",
                               color=line.get_color(), lw=0.8)
-        ax.set_title(f"{transport} allreduce: points measured, lines fitted")
+        ax.set_title(f"{transport} allreduce: lower decile measured, lines fitted", fontsize=9)
         ax.set_xlabel("bytes per rank")
         ax.legend(fontsize=6)
     axes[0].set_ylabel("ms (median)")
@@ -386,7 +398,8 @@ def write_report(res: dict, out: Path) -> Path:
              f"{res['conf']['layer_iters']}, Keras {res['conf']['tf_iters']}, training steps "
              f"{res['conf']['e2e_iters']}). Every ratio divides two numbers measured in this run; a ratio "
              "between columns of different jobs (e.g. ours[mpi] vs the hand-written layer) crosses jobs. "
-             "The machine may be shared: expect ±10–30% between runs.", "", "## Summary: ratios", ""]
+             "The machine may be shared: expect ±10–30% between runs. Every mpirun job runs with Open MPI's "
+             "`mpi_yield_when_idle=1` (a waiting rank yields its core instead of spinning).", "", "## Summary: ratios", ""]
     for ranks, vals in summary.items():
         f = lambda i: " ".join(f"{v[i]:.2f}" for v in vals)  # noqa: E731
         lines.append(f"- PyTorch per layer, {ranks} rank(s), shapes in order: ours/local [horovod] {f(0)}; "
@@ -418,7 +431,7 @@ def write_report(res: dict, out: Path) -> Path:
         for transport in ("horovod", "mpi4py"):
             sel = [abs(x[0]) for x in errs if x[1] == transport]
             if sel:
-                lines.append(f"- Scaling model vs measured per-layer floor ({transport}, 2 and 4 ranks): "
+                lines.append(f"- Scaling model vs measured per-layer floor, lower quartile ({transport}, 2 and 4 ranks): "
                              f"median |rel. error| {sorted(sel)[len(sel) // 2]:.0%}, worst {max(sel):.0%}.")
     if fails:
         lines += ["", "**Failed jobs:**", ""] + fails

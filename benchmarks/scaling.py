@@ -9,8 +9,9 @@ the textbook lower bounds that MPI libraries approach for small and large messag
 
 ``h`` is a fixed per-call cost (Horovod: waiting for its background cycle and its
 negotiation; mpi4py: the call itself), ``α`` the per-round latency, ``β`` seconds per
-byte. They are fitted (non-negative least squares on relative error) to medians from
-``alphabeta.py`` at 1–4 ranks. SyncBN's collectives sit on the critical path one after
+byte. They are fitted (non-negative least squares on relative error) to the lower
+decile of each point of ``alphabeta.py``'s sweeps at 1–4 ranks (the uncontended cost:
+the machine may be shared). SyncBN's collectives sit on the critical path one after
 another, so a step's overhead is the sum over its BN layers of their collectives.
 """
 
