@@ -13,9 +13,9 @@
 # - -x: mpirun hands a remote rank only the variables named with -x, one name each, so
 #   PATH, LD_LIBRARY_PATH (when set) and every HOROVOD_* and NCCL_* variable set here
 #   are named one by one.
-# - HOROVOD_CYCLE_TIME, when set, reaches every rank with the other HOROVOD_* variables:
-#   each SyncBN layer waits for Horovod's next background cycle per direction (1 ms by
-#   default); launch/README.md says when a shorter cycle pays and when it costs.
+# - HOROVOD_*, NCCL_* and HVD_SYNCBN_* (e.g. HVD_SYNCBN_TIMEOUT, HVD_SYNCBN_COMM) reach
+#   every rank. Under mpirun SyncBN's statistics go over MPI, off Horovod's cycle, so
+#   HOROVOD_CYCLE_TIME keeps its default (launch/README.md says why).
 # - Your own `-mca pml X` / `-mca btl X` (or --mca) replace the defaults above.
 # - The repo's virtual environment ($HVD_SYNCBN_VENV, default .venv/) goes first on PATH.
 set -euo pipefail
@@ -42,7 +42,7 @@ cmd+=(-x PATH)
 [ -n "${LD_LIBRARY_PATH+set}" ] && cmd+=(-x LD_LIBRARY_PATH)
 while IFS= read -r name; do
   cmd+=(-x "$name")
-done < <(compgen -e | grep -E '^(HOROVOD|NCCL)_' | sort)
+done < <(compgen -e | grep -E '^(HOROVOD|NCCL|HVD_SYNCBN)_' | sort)
 cmd+=("${opts[@]}" "${command[@]}")
 
 run_command "${cmd[@]}"

@@ -164,14 +164,14 @@ def printed_command(out: subprocess.CompletedProcess, tag: str) -> list:
 def test_mpirun_wrapper_flags():
     out = run("bash", "launch/mpirun.sh", "--dry-run", "-np", "4", "-x", "OMP_NUM_THREADS", "--",
               "python", "train.py", "--lr", "0.1", NCCL_DEBUG="INFO", NCCL_SOCKET_IFNAME="eth0", LD_LIBRARY_PATH="/x",
-              HOROVOD_CYCLE_TIME="0.5")
+              HOROVOD_CYCLE_TIME="0.5", HVD_SYNCBN_TIMEOUT="30")
     cmd = printed_command(out, "mpirun.sh")
     pairs = {tuple(cmd[i:i + 2]) for i in range(len(cmd) - 1)}
     for flag in [("-bind-to", "none"), ("-map-by", "slot"), ("-np", "4"), ("pml", "ob1"), ("btl", "^openib")]:
         assert flag in pairs, f"{flag} missing: {cmd}"
     exported = {cmd[i + 1] for i, arg in enumerate(cmd) if arg == "-x"}
     assert {"PATH", "LD_LIBRARY_PATH", "HOROVOD_CYCLE_TIME", "NCCL_DEBUG", "NCCL_SOCKET_IFNAME",
-            "OMP_NUM_THREADS"} <= exported, cmd
+            "OMP_NUM_THREADS", "HVD_SYNCBN_TIMEOUT"} <= exported, cmd
     assert ("--allow-run-as-root" in cmd) == (os.geteuid() == 0), cmd
     assert cmd[0] == "mpirun" and cmd[-4:] == ["python", "train.py", "--lr", "0.1"], cmd
 

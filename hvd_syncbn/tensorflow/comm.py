@@ -33,20 +33,21 @@ class _Job:
 
 
 class HorovodComm(base.Communicator):
-    """Horovod's allreduce op, run on helper threads so that the caller can wait with a
-    deadline and collectives that TF runs concurrently still negotiate by name. (Eager
-    Horovod ops all carry one kernel name, so each collective is a small ``tf.function``.)"""
+    """Horovod's eager allreduce, on a helper thread so that the caller can wait with a
+    deadline. Eager Horovod ops all carry one kernel name, so Horovod cannot match them by
+    name: one is in flight at a time and they match by order, like MPI (TF runs the
+    stateful ``numpy_function`` hops in program order; the identity header checks it).
+    Eager ops run inline on the calling thread: no TF thread pool is needed, which
+    matters when the pool's one thread is the ``numpy_function`` waiting here."""
 
     kind = "horovod"
-    THREADS = 4
 
-    def __init__(self, process_set: Any) -> None:
-        self.ps = process_set
+    def __init__(self, process_set: Any, gather: bool = False) -> None:
+        self.ps, self.gather = process_set, gather
         self.rank, self.size = process_set.rank(), process_set.size()
         self._jobs: "queue.Queue[_Job]" = queue.Queue()
-        self._fns: dict = {}
-        for _ in range(self.THREADS):
-            threading.Thread(target=self._serve, daemon=True, name="hvd_syncbn-horovod").start()
+        self._side: Optional[HorovodComm] = None
+        threading.Thread(target=self._serve, daemon=True, name="hvd_syncbn-horovod").start()
 
     def _serve(self) -> None:
         while True:
@@ -57,21 +58,23 @@ class HorovodComm(base.Communicator):
                 job.error = e
             job.event.set()
 
-    def _op(self, name: str, size: int):
+    def start(self, buf, name):
         import tensorflow as tf
 
-        if (name, size) not in self._fns:
-            self._fns[name, size] = tf.compat.v1.wrap_function(
-                lambda t: hvd.allreduce(t, op=hvd.Sum, name=name, process_set=self.ps, ignore_name_scope=True),
-                [tf.TensorSpec([size], tf.float64)],
-            )
-        return self._fns[name, size]
-
-    def start(self, buf, name):
-        op = self._op(name, len(buf))
-        job = _Job(lambda: op(buf).numpy())
+        if self.gather:  # the side channel: this rank's row of a (size, k) table, gathered
+            row = tf.constant(np.asarray(buf).reshape(self.size, -1)[self.rank : self.rank + 1])
+            run = lambda: hvd.allgather(row, process_set=self.ps).numpy().reshape(-1)  # noqa: E731
+        else:
+            run = lambda: hvd.allreduce(tf.constant(buf), op=hvd.Sum, process_set=self.ps).numpy()  # noqa: E731
+        job = _Job(run)
         self._jobs.put(job)
         return job
+
+    def side(self):
+        """Allgather, a differently named op, so that it passes a stuck allreduce."""
+        if self._side is None:
+            self._side = HorovodComm(self.ps, gather=True)
+        return self._side
 
     def done(self, handle):
         return handle.event.is_set()
