@@ -160,6 +160,8 @@ def main() -> None:
     torch.manual_seed(hvd.rank())
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     impls = args.impls.split(",")
+    if "floor_mpi" in impls and not any(k in os.environ for k in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE")):
+        impls.remove("floor_mpi")  # without mpirun every process would be an MPI world of its own
     barrier = make_barrier(hvd)
     result = {"ranks": hvd.size(), "comm": os.environ.get("HVD_SYNCBN_COMM", "(unset)"), "shapes": {}}
     with tempfile.TemporaryDirectory() as tmp:
