@@ -24,6 +24,9 @@ PATHS = ["local", "mpi", "horovod"]
 
 
 def timed(fns, iters, barrier):
+    """Per round, every fn once (rotating order), each started together on all ranks.
+    Returns ``[(median ms, median of the per-round difference to fns[0])]``: pairing
+    within a round cancels the drift of a shared 2-core machine."""
     samples = [[] for _ in fns]
     for i in range(iters + 3):
         for j in [(i + k) % len(fns) for k in range(len(fns))]:
@@ -32,7 +35,7 @@ def timed(fns, iters, barrier):
             fns[j]()
             if i >= 3:
                 samples[j].append((time.perf_counter() - start) * 1e3)
-    return [statistics.median(s) for s in samples]
+    return [(statistics.median(s), statistics.median(a - b for a, b in zip(s, samples[0]))) for s in samples]
 
 
 def comms(comm_module, world, rank):
@@ -112,17 +115,17 @@ def bench_torch_stack(iters, world, rank, barrier):
 
 
 def report(title, rows):
-    print(f"\n{title} (ms per layer, fwd+bwd; median; excess = path - compute only)")
+    print(f"\n{title} (ms per layer, fwd+bwd; medians; excess: median over rounds of path - compute only)")
     print("| shape | compute only | " + " | ".join(f"{p} | {p} excess" for p in PATHS[1:]) + " |")
     print("|---|---|" + "---|---|" * (len(PATHS) - 1))
-    for shape, (local, *others) in rows:
-        cells = " | ".join(f"{t:.2f} | {t - local:+.2f}" for t in others)
+    for shape, ((local, _), *others) in rows:
+        cells = " | ".join(f"{t:.2f} | {d:+.2f}" for t, d in others)
         print(f"| {shape} | {local:.2f} | {cells} |")
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--iters", type=int, default=30)
+    parser.add_argument("--iters", type=int, default=60)
     parser.add_argument("--framework", choices=["torch", "tf", "both"], default="both")
     args = parser.parse_args()
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -138,10 +141,10 @@ def main():
         stack = bench_torch_stack(args.iters, world, rank, barrier)
         if rank == 0:
             report(f"PyTorch, {world} ranks under mpirun", rows)
-            local, *others = stack
+            (local, _), *others = stack
             print(f"\nResNet-50's {len(RESNET50)} BN layers, fwd+bwd per step (ms): compute only {local:.2f}; "
-                  + "; ".join(f"{p} {t:.2f} ({t - local:+.2f})" for p, t in zip(PATHS[1:], others))
-                  + f"; mpi saves {others[1] - others[0]:.2f} ms per step over horovod")
+                  + "; ".join(f"{p} {t:.2f} ({d:+.2f})" for p, (t, d) in zip(PATHS[1:], others))
+                  + f"; mpi saves {others[1][1] - others[0][1]:.2f} ms per step over horovod")
     if args.framework in ("tf", "both"):
         import horovod.tensorflow as hvd_tf
 

@@ -145,6 +145,18 @@ class Communicator:
         """The summed buffer; raises if the transport failed."""
         raise NotImplementedError
 
+    def wait(self, handle: Any, deadline: float) -> bool:
+        """Until ``done`` (spinning ``spins`` polls first, then polling with short sleeps);
+        ``False`` at the ``time.monotonic()`` deadline."""
+        for _ in range(self.spins):
+            if self.done(handle):
+                return True
+        while not self.done(handle):
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(5e-5)
+        return True
+
     def side(self) -> "Communicator":
         """A channel for diagnostics that a stuck collective on this one cannot block."""
         return self
@@ -218,16 +230,11 @@ _orphans: list = []
 
 
 def _wait(comm: Communicator, handle: Any, deadline: float) -> bool:
-    """Poll until done (spinning first where the transport wants it); False at the deadline."""
-    for _ in range(comm.spins):
-        if comm.done(handle):
-            return True
-    while not comm.done(handle):
-        if time.monotonic() > deadline:
-            _orphans.append(handle)  # the transport may still write into its buffer
-            return False
-        time.sleep(5e-5)
-    return True
+    """``comm.wait``, keeping a handle that timed out alive (its transport may still write)."""
+    if comm.wait(handle, deadline):
+        return True
+    _orphans.append(handle)
+    return False
 
 
 def allreduce(comm: Communicator, payload: Buffer, call: Call, name: str,

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from typing import Any, List, Optional
 
 import numpy as np
@@ -78,6 +79,9 @@ class HorovodComm(base.Communicator):
 
     def done(self, handle):
         return handle.event.is_set()
+
+    def wait(self, handle, deadline):
+        return handle.event.wait(max(0.0, deadline - time.monotonic()))
 
     def result(self, handle):
         if handle.error is not None:

@@ -8,6 +8,7 @@ initialised, numbering ranks as ``MPI_COMM_WORLD``), else Horovod.
 
 from __future__ import annotations
 
+import os
 from typing import Any, Optional
 
 import numpy as np
@@ -101,9 +102,23 @@ class TorchDistComm(base.Communicator):
         return torch.from_numpy(arr)
 
 
+_resolved: dict = {}
+
+
 def resolve(kind: Any, process_set: Any, layer: str) -> Optional[base.Communicator]:
-    """The communicator a layer uses now, or ``None`` when it is alone (plain BN)."""
+    """The communicator a layer uses now, or ``None`` when it is alone (plain BN).
+
+    Called on every forward: the answer is remembered for the state it depends on.
+    """
     hvd_on = hvd is not None and hvd.is_initialized()
+    state = (id(kind) if isinstance(kind, base.Communicator) else kind, os.environ.get(base.COMM_ENV), hvd_on,
+             dist.is_available() and dist.is_initialized(), _set_key(process_set))
+    if state not in _resolved:
+        _resolved[state] = _resolve(kind, process_set, layer, hvd_on)
+    return _resolved[state]
+
+
+def _resolve(kind: Any, process_set: Any, layer: str, hvd_on: bool) -> Optional[base.Communicator]:
     want, why = base.choose(kind, (hvd.size(), hvd.rank()) if hvd_on else None,
                             dist.is_available() and dist.is_initialized())
     if not isinstance(want, str):
