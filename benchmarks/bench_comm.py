@@ -1,6 +1,10 @@
 """Per-layer forward+backward of SyncBN over each transport against compute only.
 
-    mpirun -np 2 python benchmarks/bench_comm.py        # torch and keras, one table each
+    mpirun -np 2 --mca mpi_yield_when_idle 1 python benchmarks/bench_comm.py --framework torch
+    mpirun -np 2 --mca mpi_yield_when_idle 1 python benchmarks/bench_comm.py --framework tf
+
+One framework per run: two Horovod instances in one process (torch's and TF's, each
+with a background thread) would compete for the cores and distort both.
 
 "compute only" is the same layer with :class:`hvd_syncbn.comm.LocalCommunicator`: every
 step of the layer (packing, header, checks) except the transport. Medians of
@@ -126,14 +130,14 @@ def report(title, rows):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--iters", type=int, default=60)
-    parser.add_argument("--framework", choices=["torch", "tf", "both"], default="both")
+    parser.add_argument("--framework", choices=["torch", "tf"], default="torch")
     args = parser.parse_args()
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     from mpi4py import MPI
 
     world, rank = MPI.COMM_WORLD.Get_size(), MPI.COMM_WORLD.Get_rank()
     barrier = MPI.COMM_WORLD.Barrier
-    if args.framework in ("torch", "both"):
+    if args.framework == "torch":
         import horovod.torch as hvd
 
         hvd.init()
@@ -145,7 +149,7 @@ def main():
             print(f"\nResNet-50's {len(RESNET50)} BN layers, fwd+bwd per step (ms): compute only {local:.2f}; "
                   + "; ".join(f"{p} {t:.2f} ({d:+.2f})" for p, (t, d) in zip(PATHS[1:], others))
                   + f"; mpi saves {others[1][1] - others[0][1]:.2f} ms per step over horovod")
-    if args.framework in ("tf", "both"):
+    else:
         import horovod.tensorflow as hvd_tf
 
         hvd_tf.init()

@@ -8,7 +8,8 @@
 #
 # Runs, after printing it:
 #   mpirun [--allow-run-as-root] -np N [--hostfile F] -bind-to none -map-by slot
-#          -mca pml ob1 -mca btl ^openib -x PATH [-x LD_LIBRARY_PATH] -x HOROVOD_* -x NCCL_*
+#          -mca pml ob1 -mca btl ^openib -mca mpi_yield_when_idle 1
+#          -x PATH [-x LD_LIBRARY_PATH] -x HOROVOD_* -x NCCL_* -x HVD_SYNCBN_*
 #          [more mpirun options] COMMAND...
 # - -x: mpirun hands a remote rank only the variables named with -x, one name each, so
 #   PATH, LD_LIBRARY_PATH (when set) and every HOROVOD_* and NCCL_* variable set here
@@ -16,16 +17,21 @@
 # - HOROVOD_*, NCCL_* and HVD_SYNCBN_* (e.g. HVD_SYNCBN_TIMEOUT, HVD_SYNCBN_COMM) reach
 #   every rank. Under mpirun SyncBN's statistics go over MPI, off Horovod's cycle, so
 #   HOROVOD_CYCLE_TIME keeps its default (launch/README.md says why).
-# - Your own `-mca pml X` / `-mca btl X` (or --mca) replace the defaults above.
+# - mpi_yield_when_idle: each rank has two threads waiting in MPI (Horovod's background
+#   loop and SyncBN's statistics); spinning, they take cores from the compute when ranks
+#   fill the cores (2-rank allreduces measured 12-24 ms instead of 1 ms so).
+# - Your own `-mca pml X` / `-mca btl X` / `-mca mpi_yield_when_idle X` (or --mca)
+#   replace the defaults above.
 # - The repo's virtual environment ($HVD_SYNCBN_VENV, default .venv/) goes first on PATH.
 set -euo pipefail
-user_pml=0 user_btl=0
+user_pml=0 user_btl=0 user_yield=0
 option() {  # one mpirun option at "$@"; sets take (launch/_common.sh)
   case $1 in
     -mca|--mca)
       [ $# -ge 3 ] || { echo "mpirun.sh: $1 needs a name and a value" >&2; exit 2; }
       [ "$2" = pml ] && user_pml=1
       [ "$2" = btl ] && user_btl=1
+      [ "$2" = mpi_yield_when_idle ] && user_yield=1
       opts+=("$1" "$2" "$3"); take=3 ;;
     *) opts+=("$1"); take=1 ;;
   esac
@@ -38,6 +44,7 @@ cmd=(mpirun)
 cmd+=(-bind-to none -map-by slot)
 [ "$user_pml" = 1 ] || cmd+=(-mca pml ob1)
 [ "$user_btl" = 1 ] || cmd+=(-mca btl ^openib)
+[ "$user_yield" = 1 ] || cmd+=(-mca mpi_yield_when_idle 1)
 cmd+=(-x PATH)
 [ -n "${LD_LIBRARY_PATH+set}" ] && cmd+=(-x LD_LIBRARY_PATH)
 while IFS= read -r name; do

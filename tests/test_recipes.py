@@ -167,7 +167,8 @@ def test_mpirun_wrapper_flags():
               HOROVOD_CYCLE_TIME="0.5", HVD_SYNCBN_TIMEOUT="30")
     cmd = printed_command(out, "mpirun.sh")
     pairs = {tuple(cmd[i:i + 2]) for i in range(len(cmd) - 1)}
-    for flag in [("-bind-to", "none"), ("-map-by", "slot"), ("-np", "4"), ("pml", "ob1"), ("btl", "^openib")]:
+    for flag in [("-bind-to", "none"), ("-map-by", "slot"), ("-np", "4"), ("pml", "ob1"), ("btl", "^openib"),
+                 ("mpi_yield_when_idle", "1")]:
         assert flag in pairs, f"{flag} missing: {cmd}"
     exported = {cmd[i + 1] for i, arg in enumerate(cmd) if arg == "-x"}
     assert {"PATH", "LD_LIBRARY_PATH", "HOROVOD_CYCLE_TIME", "NCCL_DEBUG", "NCCL_SOCKET_IFNAME",
