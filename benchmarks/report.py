@@ -301,6 +301,13 @@ def model_section(res: dict, fitted: dict) -> tuple:
 # ---------------------------------------------------------------------- plots
 
 
+def _save(plt, fig, out: Path, name: str) -> str:
+    fig.tight_layout()
+    fig.savefig(out / name, dpi=110)
+    plt.close(fig)
+    return name
+
+
 def plots(res: dict, fitted: dict, preds: dict, out: Path) -> list:
     import matplotlib
 
@@ -323,10 +330,7 @@ def plots(res: dict, fitted: dict, preds: dict, out: Path) -> list:
         ax.set_ylabel("ms, forward+backward (median)")
         ax.set_title("PyTorch per-layer, 2 ranks")
         ax.legend(fontsize=8)
-        fig.tight_layout()
-        fig.savefig(out / "layers_torch_2ranks.png", dpi=110)
-        plt.close(fig)
-        made.append("layers_torch_2ranks.png")
+        made.append(_save(plt, fig, out, "layers_torch_2ranks.png"))
     fig, ax = plt.subplots(figsize=(6, 4))
     for comm, style in (("horovod", "-o"), ("mpi", "--s")):
         for k in keys:
@@ -337,10 +341,7 @@ def plots(res: dict, fitted: dict, preds: dict, out: Path) -> list:
     ax.set_ylabel("ours / local BN")
     ax.set_xticks(res["conf"]["ranks"])
     ax.legend(fontsize=6, ncol=2)
-    fig.tight_layout()
-    fig.savefig(out / "ratio_vs_ranks.png", dpi=110)
-    plt.close(fig)
-    made.append("ratio_vs_ranks.png")
+    made.append(_save(plt, fig, out, "ratio_vs_ranks.png"))
     ab = res["alphabeta"]
     fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
     for ax, transport in zip(axes, ("horovod", "mpi4py")):
@@ -359,10 +360,7 @@ def plots(res: dict, fitted: dict, preds: dict, out: Path) -> list:
         ax.set_xlabel("bytes per rank")
         ax.legend(fontsize=6)
     axes[0].set_ylabel("ms (median)")
-    fig.tight_layout()
-    fig.savefig(out / "alphabeta.png", dpi=110)
-    plt.close(fig)
-    made.append("alphabeta.png")
+    made.append(_save(plt, fig, out, "alphabeta.png"))
     if preds:
         fig, axes = plt.subplots(1, 2, figsize=(11, 4))
         transports = sorted({k[0] for k in preds})
@@ -374,10 +372,7 @@ def plots(res: dict, fitted: dict, preds: dict, out: Path) -> list:
             ax.set_xlabel("ranks W")
             ax.set_ylabel("predicted SyncBN comm ms / step")
             ax.legend(fontsize=6)
-        fig.tight_layout()
-        fig.savefig(out / "scaling_model.png", dpi=110)
-        plt.close(fig)
-        made.append("scaling_model.png")
+        made.append(_save(plt, fig, out, "scaling_model.png"))
     return made
 
 
