@@ -357,23 +357,27 @@ def _abort_at_exit() -> None:
 
 
 class MpiCommunicator(Communicator):
-    """mpi4py ``Iallreduce`` on a duplicate of ``MPI.COMM_WORLD`` (or of a group of it)."""
+    """mpi4py ``Iallreduce`` on a duplicate of ``MPI.COMM_WORLD`` (or of a group of it),
+    with a second duplicate for diagnostics. ``comm``: use this MPI communicator as it is."""
 
     kind = "mpi"
     spins = 2000
 
-    def __init__(self, ranks: Optional[List[int]] = None) -> None:
+    def __init__(self, ranks: Optional[List[int]] = None, comm: Any = None) -> None:
         from mpi4py import MPI
 
         self._mpi = MPI
-        world = MPI.COMM_WORLD
-        if ranks is None or sorted(ranks) == list(range(world.Get_size())):
-            self.comm, self._side = world.Dup(), world.Dup()
-        else:
-            group = world.Get_group().Incl(sorted(ranks))
-            self.comm, self._side = world.Create_group(group, tag=1), world.Create_group(group, tag=2)
-        self.rank, self.size = self.comm.Get_rank(), self.comm.Get_size()
-        self._side_comm: Optional[MpiCommunicator] = None
+        self._side: Communicator = self
+        if comm is None:
+            world = MPI.COMM_WORLD
+            if ranks is None or sorted(ranks) == list(range(world.Get_size())):
+                comm, side = world.Dup(), world.Dup()
+            else:
+                group = world.Get_group().Incl(sorted(ranks))
+                comm, side = world.Create_group(group, tag=1), world.Create_group(group, tag=2)
+            self._side = MpiCommunicator(comm=side)
+        self.comm = comm
+        self.rank, self.size = comm.Get_rank(), comm.Get_size()
 
     def start(self, buf, name):
         arr = np.ascontiguousarray(self.to_numpy(buf), dtype=np.float64)
@@ -386,15 +390,25 @@ class MpiCommunicator(Communicator):
         return handle[0]
 
     def side(self):
-        if self._side_comm is None:
-            side = object.__new__(MpiCommunicator)
-            side._mpi, side.comm, side._side = self._mpi, self._side, self._side
-            side.rank, side.size, side._side_comm = self.rank, self.size, None
-            self._side_comm = side
-        return self._side_comm
+        return self._side
 
     def abort(self):
         self._mpi.COMM_WORLD.Abort(1)
+
+
+def mpi_communicator(layer: str, horovod: Optional[Tuple[int, int]], ranks: Optional[List[int]],
+                     cls: type = MpiCommunicator) -> MpiCommunicator:
+    """``cls(ranks)`` if the MPI transport is usable here, else a ``RuntimeError`` saying why."""
+    why = mpi_usable(*(horovod or (None, None)))
+    if why:
+        raise RuntimeError(f"{layer}: comm='mpi' is not usable here: {why}")
+    return cls(ranks)
+
+
+def not_a_member(layer: str, rank: int, ranks: Any) -> ValueError:
+    """The error for a layer built on a rank outside its process set."""
+    return ValueError(f"{layer}: this rank ({rank}) is not in the layer's process set {ranks}; "
+                      f"build the layer only on member ranks")
 
 
 def mpi_usable(expected_size: Optional[int], expected_rank: Optional[int]) -> str:

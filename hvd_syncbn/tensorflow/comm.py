@@ -118,8 +118,7 @@ def resolve(kind: Any, process_set: Any, layer: str) -> Optional[base.Communicat
         return want if want is not None and want.size > 1 else None
     ps = resolve_process_set(process_set) if hvd_on else None
     if hvd_on and not ps.included():
-        raise ValueError(f"{layer}: this rank ({hvd.rank()}) is not in the layer's process set {ps.ranks}; "
-                         f"build the layer only on member ranks")
+        raise base.not_a_member(layer, hvd.rank(), ps.ranks)
     key = (want, "tf", None if ps is None else ps.process_set_id)
     comm = base.cached(key, lambda: _build(want, ps, layer, hvd_on), why)
     return comm if comm.size > 1 else None
@@ -130,7 +129,5 @@ def _build(want: str, ps: Any, layer: str, hvd_on: bool) -> base.Communicator:
         if not hvd_on:
             raise RuntimeError(f"{layer}: comm='horovod' needs hvd.init() first")
         return HorovodComm(ps)
-    why = base.mpi_usable(hvd.size() if hvd_on else None, hvd.rank() if hvd_on else None)
-    if why:
-        raise RuntimeError(f"{layer}: comm='mpi' is not usable here: {why}")
-    return base.MpiCommunicator(None if ps is None else list(ps.ranks))
+    return base.mpi_communicator(layer, (hvd.size(), hvd.rank()) if hvd_on else None,
+                                 None if ps is None else list(ps.ranks))

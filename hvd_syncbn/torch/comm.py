@@ -26,7 +26,17 @@ def prepend(head: list, buf: torch.Tensor) -> torch.Tensor:
     return torch.cat([torch.tensor(head, dtype=buf.dtype, device=buf.device), buf])
 
 
-class HorovodComm(base.Communicator):
+class _TorchBuffers:
+    """Buffers are torch tensors; the diagnosis table crosses as numpy."""
+
+    def to_numpy(self, buf):
+        return buf.cpu().numpy()
+
+    def from_numpy(self, arr, like):
+        return torch.from_numpy(arr)
+
+
+class HorovodComm(_TorchBuffers, base.Communicator):
     kind = "horovod"
 
     def __init__(self, process_set: Any) -> None:
@@ -45,12 +55,6 @@ class HorovodComm(base.Communicator):
     def abort(self):
         hvd.shutdown()
 
-    def to_numpy(self, buf):
-        return buf.cpu().numpy()
-
-    def from_numpy(self, arr, like):
-        return torch.from_numpy(arr)
-
 
 class MpiComm(base.MpiCommunicator):
     """mpi4py on CPU tensors' memory (zero-copy); device tensors are staged through the host."""
@@ -68,15 +72,19 @@ class MpiComm(base.MpiCommunicator):
         return buf.numpy() if isinstance(buf, torch.Tensor) else np.asarray(buf)
 
 
-class TorchDistComm(base.Communicator):
+class TorchDistComm(_TorchBuffers, base.Communicator):
+    """``torch.distributed`` on ``group`` (``None``: the default group), with a second
+    group of the same ranks for diagnostics (``diagnostics=True``: this is that one)."""
+
     kind = "torch"
 
-    def __init__(self, group: Any) -> None:
+    def __init__(self, group: Any, diagnostics: bool = False) -> None:
         self.group = group
         self.rank, self.size = dist.get_rank(group), dist.get_world_size(group)
-        ranks = dist.get_process_group_ranks(group or dist.group.WORLD)
-        self._side_group = dist.new_group(ranks, use_local_synchronization=True)  # members only
-        self._side: Optional[TorchDistComm] = None
+        self._side: base.Communicator = self
+        if not diagnostics:
+            ranks = dist.get_process_group_ranks(group or dist.group.WORLD)
+            self._side = TorchDistComm(dist.new_group(ranks, use_local_synchronization=True), diagnostics=True)
 
     def start(self, buf, name):
         return buf, dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
@@ -89,17 +97,7 @@ class TorchDistComm(base.Communicator):
         return handle[0]
 
     def side(self):
-        if self._side is None:
-            self._side = object.__new__(TorchDistComm)
-            self._side.group, self._side.rank, self._side.size = self._side_group, self.rank, self.size
-            self._side._side = self._side
         return self._side
-
-    def to_numpy(self, buf):
-        return buf.cpu().numpy()
-
-    def from_numpy(self, arr, like):
-        return torch.from_numpy(arr)
 
 
 _resolved: dict = {}
@@ -124,10 +122,7 @@ def _resolve(kind: Any, process_set: Any, layer: str, hvd_on: bool) -> Optional[
     if not isinstance(want, str):
         return want if want is not None and want.size > 1 else None
     if hvd_on and isinstance(process_set, hvd.ProcessSet) and not process_set.included():
-        raise ValueError(
-            f"{layer}: this rank ({hvd.rank()}) is not in the layer's process set {process_set}; "
-            f"build the layer only on member ranks"
-        )
+        raise base.not_a_member(layer, hvd.rank(), process_set.ranks)
     return base.cached((want, _set_key(process_set)), lambda: _build(want, process_set, layer, hvd_on), why)
 
 
@@ -145,11 +140,8 @@ def _build(want: str, process_set: Any, layer: str, hvd_on: bool) -> base.Commun
             raise RuntimeError(f"{layer}: comm='horovod' needs hvd.init() first")
         return HorovodComm(process_set if process_set is not None else hvd.global_process_set)
     if want == "mpi":
-        why = base.mpi_usable(hvd.size() if hvd_on else None, hvd.rank() if hvd_on else None)
-        if why:
-            raise RuntimeError(f"{layer}: comm='mpi' is not usable here: {why}")
         ranks = None if process_set is None else list(process_set.ranks)
-        return MpiComm(ranks)
+        return base.mpi_communicator(layer, (hvd.size(), hvd.rank()) if hvd_on else None, ranks, MpiComm)
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError(f"{layer}: comm='torch' needs torch.distributed.init_process_group() first")
     if process_set is not None and not isinstance(process_set, dist.ProcessGroup):
@@ -158,8 +150,5 @@ def _build(want: str, process_set: Any, layer: str, hvd_on: bool) -> base.Commun
             f"ProcessGroup (from dist.new_group), got {type(process_set).__name__}"
         )
     if process_set is not None and dist.get_rank(process_set) < 0:
-        raise ValueError(
-            f"{layer}: this rank ({dist.get_rank()}) is not in the layer's process set "
-            f"{dist.get_process_group_ranks(process_set)}; build the layer only on member ranks"
-        )
+        raise base.not_a_member(layer, dist.get_rank(), dist.get_process_group_ranks(process_set))
     return TorchDistComm(process_set)
