@@ -154,3 +154,15 @@ def report_compare(histories: dict, args: argparse.Namespace, ranks: int, rank0:
         title = f"{title_prefix}{n} ranks x {b} images per rank: BN statistics over {n * b} (sync) vs {b} (local) images"
         plot({f"{k} BN ({images[k]} images)": h for k, h in histories.items()}, args.plot, title, eval_mode)
         log(f"wrote {args.plot}")
+
+
+def train_and_compare(args: argparse.Namespace, train_bn: Callable[[str, bool], dict], ranks: int, rank0: bool,
+                      log: Callable[[str], None], *, title_prefix: str, eval_mode: str) -> None:
+    """Train ``--bn`` (``train_bn(bn, resume)`` returns its history); with ``--compare``,
+    then the other BN from the same initial weights, and report both."""
+    histories = {args.bn: train_bn(args.bn, args.resume)}
+    if args.compare:
+        other = "local" if args.bn == "sync" else "sync"
+        log(f"--compare: training --bn {other} from the same initial weights")
+        histories[other] = train_bn(other, False)
+        report_compare(histories, args, ranks, rank0, log, title_prefix=title_prefix, eval_mode=eval_mode)

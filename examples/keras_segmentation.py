@@ -40,7 +40,7 @@ from hvd_syncbn.tensorflow import (BroadcastGlobalVariablesCallback, Distributed
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # also when loaded by path
 from demo_common import (CLASSES, EVAL_BATCH, arg_parser, atomic_write, check_global_batch,  # noqa: E402
-                         iou_from_confusion, parse_checked, rank0_log, report_compare, shape_mask)
+                         iou_from_confusion, parse_checked, rank0_log, shape_mask, train_and_compare)
 
 log = rank0_log(hvd.rank)
 
@@ -295,14 +295,12 @@ def main() -> None:
         f"{len(CLASSES)} classes; {len(bn_moving_stats(model)) // 2} BN layers, --bn {args.bn}; "
         f"{sum(int(np.prod(v.shape)) for v in model.trainable_weights)} parameters; {args.threads} thread(s)/rank")
 
-    histories = {args.bn: train(model, args.bn, args, train_set, val_set, resume=args.resume)}
-    if args.compare:
-        other = "local" if args.bn == "sync" else "sync"
-        log(f"--compare: training --bn {other} from the same initial weights")
-        model = build_model(args, other, init)
-        histories[other] = train(model, other, args, train_set, val_set)
-        report_compare(histories, args, hvd.size(), hvd.rank() == 0, log, title_prefix="Keras, ",
-                       eval_mode="inference mode")
+    def train_bn(bn: str, resume: bool) -> dict:
+        return train(model if bn == args.bn else build_model(args, bn, init), bn, args, train_set, val_set,
+                     resume=resume)
+
+    train_and_compare(args, train_bn, hvd.size(), hvd.rank() == 0, log, title_prefix="Keras, ",
+                      eval_mode="inference mode")
 
 
 if __name__ == "__main__":

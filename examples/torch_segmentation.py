@@ -34,7 +34,7 @@ from hvd_syncbn.torch import convert_sync_batchnorm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # also when loaded by path (the tests do)
 from demo_common import (CLASSES, EVAL_BATCH, arg_parser, atomic_write, check_global_batch,  # noqa: E402
-                         iou_from_confusion, parse_checked, rank0_log, report_compare, shape_mask)
+                         iou_from_confusion, parse_checked, rank0_log, shape_mask, train_and_compare)
 
 log = rank0_log(hvd.rank)
 
@@ -237,14 +237,14 @@ def main() -> None:
         f"{len(CLASSES)} classes; {len(bn_buffers(model)) // 3} BN layers, --bn {args.bn}; "
         f"{sum(p.numel() for p in model.parameters())} parameters; {args.threads} thread(s)/rank")
 
-    histories = {args.bn: train(model, args.bn, args, train_set, val_set, resume=args.resume)}
-    if args.compare:
-        other = "local" if args.bn == "sync" else "sync"
-        log(f"--compare: training --bn {other} from the same initial weights")
-        model = build_model(args.width, other)
-        model.load_state_dict(init)
-        histories[other] = train(model, other, args, train_set, val_set)
-        report_compare(histories, args, hvd.size(), hvd.rank() == 0, log, title_prefix="", eval_mode="eval mode")
+    def train_bn(bn: str, resume: bool) -> dict:
+        net = model
+        if bn != args.bn:
+            net = build_model(args.width, bn)
+            net.load_state_dict(init)
+        return train(net, bn, args, train_set, val_set, resume=resume)
+
+    train_and_compare(args, train_bn, hvd.size(), hvd.rank() == 0, log, title_prefix="", eval_mode="eval mode")
 
 
 if __name__ == "__main__":
