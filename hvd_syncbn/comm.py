@@ -3,8 +3,8 @@
 A :class:`Communicator` sums a float64 buffer over the ranks asynchronously (``start``,
 ``done``, ``result``). Three transports exist: Horovod (the default; its background
 loop handles a collective on its next cycle, ``HOROVOD_CYCLE_TIME``), MPI through mpi4py
-(``Iallreduce`` straight on the buffer: microseconds for a few KB) and, for PyTorch,
-``torch.distributed``. The adapters build them; this module is framework-free.
+(point-to-point recursive doubling straight on the buffer: microseconds for a few KB)
+and, for PyTorch, ``torch.distributed``. The adapters build them; this module is framework-free.
 
 Every buffer starts with a two-value identity header ``[h, h²]``, ``h`` a hash of the
 layer, direction, step, channel count, input rank and dtype. After the sum every rank
@@ -357,8 +357,13 @@ def _abort_at_exit() -> None:
 
 
 class MpiCommunicator(Communicator):
-    """mpi4py ``Iallreduce`` on a duplicate of ``MPI.COMM_WORLD`` (or of a group of it),
-    with a second duplicate for diagnostics. ``comm``: use this MPI communicator as it is."""
+    """mpi4py on a duplicate of ``MPI.COMM_WORLD`` (or of a group of it), with a second
+    duplicate for diagnostics. ``comm``: use this MPI communicator as it is.
+
+    The sum is a :class:`_Reduction` of point-to-point messages, not MPI's nonblocking
+    ``Iallreduce``: with Horovod's thread in MPI at the same time, Open MPI 4.1's
+    ``Iallreduce`` (libnbc) over TCP now and then never completed on some ranks after it
+    had completed on the others (seen across network-namespace hosts under load)."""
 
     kind = "mpi"
     spins = 2000
@@ -381,10 +386,10 @@ class MpiCommunicator(Communicator):
 
     def start(self, buf, name):
         arr = np.ascontiguousarray(self.to_numpy(buf), dtype=np.float64)
-        return arr, self.comm.Iallreduce(self._mpi.IN_PLACE, arr, op=self._mpi.SUM)
+        return arr, _Reduction(self.comm, arr, self._mpi.Request.Testall)
 
     def done(self, handle):
-        return handle[1].Test()
+        return handle[1].test()
 
     def result(self, handle):
         return handle[0]
@@ -394,6 +399,51 @@ class MpiCommunicator(Communicator):
 
     def abort(self):
         self._mpi.COMM_WORLD.Abort(1)
+
+
+_FOLD, _ROUND, _BACK = 31, 32, 33  # message tags of the three kinds of step
+
+
+class _Reduction:
+    """One in-place sum of ``arr`` over ``comm``'s ranks by recursive doubling, the
+    algorithm MPI itself uses for small buffers: ``log2 W`` rounds in which partners
+    swap partial sums; with ``W`` not a power of two, the ranks above the largest power
+    ``P`` first hand their buffer to rank ``r − P`` and get the result back. Partners add
+    the same two values (``a + b == b + a``), so every rank ends bitwise equal.
+    ``test`` advances it without blocking; each step waits on its own requests only."""
+
+    def __init__(self, comm: Any, arr: np.ndarray, testall: Callable) -> None:
+        self._testall = testall
+        self._steps = self._plan(comm, arr)
+        self._requests = next(self._steps, None)
+
+    @staticmethod
+    def _plan(comm: Any, arr: np.ndarray):
+        rank, size = comm.Get_rank(), comm.Get_size()
+        power = 1 << (size.bit_length() - 1)
+        other = np.empty_like(arr)
+        if rank >= power:
+            yield [comm.Isend(arr, rank - power, _FOLD)]
+            yield [comm.Irecv(arr, rank - power, _BACK)]
+            return
+        folded = rank + power < size
+        if folded:
+            yield [comm.Irecv(other, rank + power, _FOLD)]
+            arr += other
+        mask = 1
+        while mask < power:
+            yield [comm.Isend(arr, rank ^ mask, _ROUND), comm.Irecv(other, rank ^ mask, _ROUND)]
+            arr += other
+            mask <<= 1
+        if folded:
+            yield [comm.Isend(arr, rank + power, _BACK)]
+
+    def test(self) -> bool:
+        while self._requests is not None:
+            if not self._testall(self._requests):
+                return False
+            self._requests = next(self._steps, None)
+        return True
 
 
 def mpi_communicator(layer: str, horovod: Optional[Tuple[int, int]], ranks: Optional[List[int]],

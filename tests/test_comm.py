@@ -155,3 +155,81 @@ def test_timeout_and_transport_settings_are_validated(monkeypatch):
     with pytest.raises(ValueError, match="HVD_SYNCBN_COMM: expected one of auto, horovod, mpi, torch, got 'nccl'"):
         comm.requested_kind(None)
     assert comm.requested_kind("MPI") == "mpi"
+
+
+class PointToPoint:
+    """Rank ``rank`` of threads exchanging messages the way MPI matches them: in order
+    per (source, destination, tag). Only what :class:`comm._Reduction` calls."""
+
+    class Request:
+        def __init__(self, test):
+            self.test, self.complete = test, False
+
+    def __init__(self, queues: dict, lock: threading.Lock, rank: int, size: int) -> None:
+        self.queues, self.lock, self.rank, self.size = queues, lock, rank, size
+
+    def Get_rank(self):
+        return self.rank
+
+    def Get_size(self):
+        return self.size
+
+    def Isend(self, buf, dest, tag):
+        with self.lock:
+            self.queues.setdefault((self.rank, dest, tag), []).append(np.array(buf))
+        return self.Request(lambda: True)
+
+    def Irecv(self, buf, source, tag):
+        def arrived():
+            with self.lock:
+                queue = self.queues.get((source, self.rank, tag))
+                if not queue:
+                    return False
+                buf[...] = queue.pop(0)
+                return True
+
+        return self.Request(arrived)
+
+    @staticmethod
+    def testall(requests):
+        for r in requests:
+            r.complete = r.complete or r.test()
+        return all(r.complete for r in requests)
+
+
+@pytest.mark.parametrize("size", range(1, 10))
+def test_mpi_reduction_sums_exactly_alike_on_every_rank(size):
+    """Recursive doubling, folding the ranks above a power of two: every rank ends with
+    bitwise the same sum, equal to the exact sum of integers, for three collectives in a
+    row (messages of one collective must not be taken by the next)."""
+    queues, lock = {}, threading.Lock()
+    rng = np.random.default_rng(size)
+    data = rng.standard_normal((3, size, 7))
+
+    def fn(r, _):
+        p2p, sums = PointToPoint(queues, lock, r, size), []
+        for k in range(3):
+            arr = data[k, r].copy()
+            red = comm._Reduction(p2p, arr, PointToPoint.testall)
+            deadline = time.monotonic() + 10
+            while not red.test():
+                assert time.monotonic() < deadline, f"rank {r} stuck in collective {k}"
+                time.sleep(1e-4)
+            sums.append(arr)
+        return np.stack(sums)
+
+    out = run(size, fn)
+    for r, got in enumerate(out):
+        assert not isinstance(got, Exception), f"rank {r}: {got!r}"
+        assert np.array_equal(got, out[0]), f"rank {r} differs bitwise from rank 0"
+    assert np.allclose(out[0], data.sum(axis=1), rtol=1e-14, atol=1e-14)
+    counts = rng.integers(0, 1000, (size, 5)).astype(np.float64)  # integers: the sum is exact
+    ints = run(size, lambda r, _: _reduce_once(PointToPoint(queues, lock, r, size), counts[r].copy()))
+    assert all(np.array_equal(i, counts.sum(axis=0)) for i in ints)
+
+
+def _reduce_once(p2p, arr):
+    red = comm._Reduction(p2p, arr, PointToPoint.testall)
+    while not red.test():
+        time.sleep(1e-4)
+    return arr
