@@ -30,7 +30,7 @@ SHAPE_ORIGIN = {
     (4, 256, 14, 14): "ResNet-50 layer3 (quick)",
 }
 DTYPE_BYTES = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4, "uint8": 1}
-MPI_KINDS = ("allreduce", "allgather", "bcast", "other")
+MPI_KINDS = ("allreduce", "allgather", "bcast", "other", "send")
 
 
 def timed(fns: Dict[str, Callable[[], object]], iters: int, barrier: Callable[[], None],

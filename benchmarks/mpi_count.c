@@ -10,11 +10,13 @@
  * mpi_count_learn(1) was on (for TensorFlow, whose ops run on its own threads);
  * mpi_count_stop() disarms it; mpi_count_get(kind, &calls, &bytes) reads the totals.
  * Bytes are what this rank contributes: count x type size (allgather: its send part).
+ * Point-to-point sends count as SEND: hvd_syncbn's MPI transport sums by recursive
+ * doubling over Isend/Irecv, log2(W) sends per allreduce (one at 2 ranks).
  */
 #include <mpi.h>
 #include <pthread.h>
 
-enum { ALLREDUCE, ALLGATHER, BCAST, OTHER, KINDS };
+enum { ALLREDUCE, ALLGATHER, BCAST, OTHER, SEND, KINDS };
 static long long calls[KINDS], bytes[KINDS];
 static pthread_t owner;
 static volatile int armed;
@@ -68,6 +70,14 @@ int MPI_Allreduce(const void *s, void *r, int n, MPI_Datatype t, MPI_Op op, MPI_
 int MPI_Iallreduce(const void *s, void *r, int n, MPI_Datatype t, MPI_Op op, MPI_Comm comm, MPI_Request *q) {
   note(ALLREDUCE, n, t);
   return PMPI_Iallreduce(s, r, n, t, op, comm, q);
+}
+int MPI_Isend(const void *b, int n, MPI_Datatype t, int dest, int tag, MPI_Comm comm, MPI_Request *q) {
+  note(SEND, n, t);
+  return PMPI_Isend(b, n, t, dest, tag, comm, q);
+}
+int MPI_Send(const void *b, int n, MPI_Datatype t, int dest, int tag, MPI_Comm comm) {
+  note(SEND, n, t);
+  return PMPI_Send(b, n, t, dest, tag, comm);
 }
 int MPI_Allgather(const void *s, int sn, MPI_Datatype st, void *r, int rn, MPI_Datatype rt, MPI_Comm comm) {
   note(ALLGATHER, sn, st);

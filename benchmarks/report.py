@@ -66,8 +66,9 @@ def rel(pred: float, meas: float) -> str:
 
 
 def summarize_counts(c: dict) -> dict:
-    """``{"hvd": (calls, bytes) by group, "mpi": (calls, bytes)}`` of one counted step."""
-    out = {"hvd": {}, "mpi": (0, 0)}
+    """``{"hvd": (calls, bytes) by group, "mpi": (calls, bytes), "mpi_kinds": [kind]}``
+    of one counted step."""
+    out = {"hvd": {}, "mpi": (0, 0), "mpi_kinds": sorted(c.get("mpi") or {})}
     for key, v in (c.get("horovod") or {}).items():
         op, _, group = key.partition(" ")
         calls, nbytes = out["hvd"].get(group, (0, 0))
@@ -86,7 +87,8 @@ def count_cell(c: dict, groups=None, mpi: bool = True) -> str:
         calls, nbytes = sum(v[0] for _, v in hvd), sum(v[1] for _, v in hvd)
         parts.append(f"{calls:g} Horovod ({nbytes:,.0f} B)")
     if mpi and s["mpi"][0]:
-        parts.append(f"{s['mpi'][0]:g} MPI ({s['mpi'][1]:,.0f} B)")
+        what = "MPI sends" if s["mpi_kinds"] == ["send"] else "MPI"
+        parts.append(f"{s['mpi'][0]:g} {what} ({s['mpi'][1]:,.0f} B)")
     return " + ".join(parts) or "0"
 
 
@@ -146,7 +148,9 @@ def counts_section(res: dict) -> str:
     parts.append(table(head, rows) if rows else "(no counting job succeeded)")
     parts.append("\nExpected from the designs: ours 2 collectives of (2C+3)·8 + (2C+2)·8 = 32C+40 B; "
                  "hand-written 3 forward (4 B + 4C + 4C) and 2 autograd backward (4C each) = 16C+4 B in 5 calls; "
-                 "local 0. `barrier` calls of the benchmark itself are left out.")
+                 "local 0. Over MPI each of ours' two allreduces is recursive doubling by point-to-point "
+                 "messages: log2(W) sends of the whole buffer per rank, so 1 send each at 2 ranks (\"MPI sends\"). "
+                 "`barrier` calls of the benchmark itself are left out.")
     tfc = [(k[6:], v) for k, v in res.get("tf_layers", {}).items() if k.startswith("count ") and "error" not in v]
     if tfc:
         rows = []
