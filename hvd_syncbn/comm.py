@@ -4,7 +4,8 @@ A :class:`Communicator` sums a float64 buffer over the ranks asynchronously (``s
 ``done``, ``result``). Three transports exist: Horovod (the default; its background
 loop handles a collective on its next cycle, ``HOROVOD_CYCLE_TIME``), MPI through mpi4py
 (point-to-point recursive doubling straight on the buffer: microseconds for a few KB)
-and, for PyTorch, ``torch.distributed``. The adapters build them; this module is framework-free.
+and, for PyTorch, ``torch.distributed``. The adapters build them; this module is
+framework-free.
 
 Every buffer starts with a two-value identity header ``[h, h²]``, ``h`` a hash of the
 layer, direction, step, channel count, input rank and dtype. After the sum every rank
@@ -440,11 +441,11 @@ class _Reduction:
     def _plan(comm: Any, arr: np.ndarray):
         rank, size = comm.Get_rank(), comm.Get_size()
         power = 1 << (size.bit_length() - 1)
-        other = np.empty_like(arr)
         if rank >= power:
             yield [comm.Isend(arr, rank - power, _FOLD)]
             yield [comm.Irecv(arr, rank - power, _BACK)]
             return
+        other = np.empty_like(arr)
         folded = rank + power < size
         if folded:
             yield [comm.Irecv(other, rank + power, _FOLD)]

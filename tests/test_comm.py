@@ -207,16 +207,8 @@ def test_mpi_reduction_sums_exactly_alike_on_every_rank(size):
     data = rng.standard_normal((3, size, 7))
 
     def fn(r, _):
-        p2p, sums = PointToPoint(queues, lock, r, size), []
-        for k in range(3):
-            arr = data[k, r].copy()
-            red = comm._Reduction(p2p, arr, PointToPoint.testall)
-            deadline = time.monotonic() + 10
-            while not red.test():
-                assert time.monotonic() < deadline, f"rank {r} stuck in collective {k}"
-                time.sleep(1e-4)
-            sums.append(arr)
-        return np.stack(sums)
+        p2p = PointToPoint(queues, lock, r, size)
+        return np.stack([_reduce_once(p2p, data[k, r].copy()) for k in range(3)])
 
     out = run(size, fn)
     for r, got in enumerate(out):
@@ -229,8 +221,10 @@ def test_mpi_reduction_sums_exactly_alike_on_every_rank(size):
 
 
 def _reduce_once(p2p, arr):
-    red = comm._Reduction(p2p, arr, PointToPoint.testall)
+    """``arr`` summed in place over ``p2p``'s ranks; fails if it takes over 10 s."""
+    red, deadline = comm._Reduction(p2p, arr, PointToPoint.testall), time.monotonic() + 10
     while not red.test():
+        assert time.monotonic() < deadline, f"rank {p2p.rank} stuck in a collective"
         time.sleep(1e-4)
     return arr
 
