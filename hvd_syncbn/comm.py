@@ -100,36 +100,17 @@ def choose(kind: Any, horovod: Optional[Tuple[int, int]], process_group: bool = 
 
     ``horovod`` is Horovod's ``(size, rank)`` if initialised; ``process_group`` says
     whether a ``torch.distributed`` default group exists. Under ``auto``: torch if a
-    group exists, else MPI if usable and every rank is on this host, else Horovod, else
-    ``None`` (this process is alone).
-
-    Across hosts ``auto`` keeps Horovod: there, with Horovod's thread in MPI at the same
-    time, Open MPI 4.1 over TCP now and then left the ranks of one host waiting in a
-    collective their peers had finished (between network-namespace hosts under load,
-    with ``Iallreduce`` and with point-to-point messages alike). ``comm="mpi"`` still
-    selects MPI there.
+    group exists, else MPI if usable, else Horovod, else ``None`` (this process is alone).
     """
     want = requested_kind(kind)
     if want != "auto":
         return want, "requested"
     if process_group:
         return "torch", "a torch.distributed process group exists"
-    why = mpi_usable(*(horovod or (None, None))) or other_hosts()
+    why = mpi_usable(*(horovod or (None, None)))
     if not why:
-        return "mpi", "launched by mpirun with mpi4py, all ranks on this host"
+        return "mpi", "launched by mpirun with mpi4py"
     return ("horovod" if horovod else None), why
-
-
-def other_hosts() -> str:
-    """Why the MPI job may span hosts, from the launcher's environment ('' if every rank
-    of ``MPI_COMM_WORLD`` is on this host)."""
-    local = os.environ.get("OMPI_COMM_WORLD_LOCAL_SIZE") or os.environ.get("MPI_LOCALNRANKS")
-    size = os.environ.get("OMPI_COMM_WORLD_SIZE") or os.environ.get("PMI_SIZE")
-    if not (local and size):
-        return "the launcher does not say whether all ranks are on this host"
-    if int(local) < int(size):
-        return f"ranks on other hosts ({local} of {size} here)"
-    return ""
 
 
 _cache: dict = {}

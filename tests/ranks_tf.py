@@ -545,12 +545,10 @@ def test_nan_input_follows_keras_or_raises_with_check_finite():
 
 
 def test_transport_follows_the_documented_rule():
-    """$HVD_SYNCBN_COMM if set, else MPI under mpirun when Horovod sees all ranks on one
-    host, else Horovod; none when alone."""
+    """$HVD_SYNCBN_COMM if set, else MPI under mpirun, else Horovod; none when alone."""
     from hvd_syncbn import comm
     from hvd_syncbn.tensorflow import comm as tf_comm
 
-    one_host = hvd.local_size() == hvd.size()
-    want = os.environ.get("HVD_SYNCBN_COMM") or ("mpi" if comm.launched_by_mpirun() and one_host else "horovod")
+    want = os.environ.get("HVD_SYNCBN_COMM") or ("mpi" if comm.launched_by_mpirun() else "horovod")
     chosen = tf_comm.resolve(None, None, "rule_bn")
     assert (chosen is None) == (WORLD == 1) and (chosen is None or chosen.kind == want), (chosen, want)

@@ -227,18 +227,3 @@ def _reduce_once(p2p, arr):
         assert time.monotonic() < deadline, f"rank {p2p.rank} stuck in a collective"
         time.sleep(1e-4)
     return arr
-
-
-@pytest.mark.parametrize("env, spans", [
-    ({"OMPI_COMM_WORLD_LOCAL_SIZE": "2", "OMPI_COMM_WORLD_SIZE": "4"}, "ranks on other hosts (2 of 4 here)"),
-    ({"OMPI_COMM_WORLD_LOCAL_SIZE": "3", "OMPI_COMM_WORLD_SIZE": "3"}, ""),
-    ({"MPI_LOCALNRANKS": "1", "PMI_SIZE": "2"}, "ranks on other hosts (1 of 2 here)"),
-    ({"PMIX_RANK": "0"}, "the launcher does not say whether all ranks are on this host"),
-])
-def test_auto_keeps_mpi_to_one_host(monkeypatch, env, spans):
-    """``auto`` takes MPI only when the launcher says every rank is on this host."""
-    for name in ("OMPI_COMM_WORLD_LOCAL_SIZE", "OMPI_COMM_WORLD_SIZE", "MPI_LOCALNRANKS", "PMI_SIZE", "PMIX_RANK"):
-        monkeypatch.delenv(name, raising=False)
-    for name, value in env.items():
-        monkeypatch.setenv(name, value)
-    assert comm.other_hosts() == spans

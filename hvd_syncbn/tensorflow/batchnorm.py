@@ -258,7 +258,7 @@ class SyncBatchNormalization(keras.layers.BatchNormalization):
         process_set: Horovod process set (or its ranks) to synchronise within.
             Default: all ranks.
         comm: how statistics travel: ``"horovod"``, ``"mpi"`` (mpi4py, under mpirun) or
-            ``"auto"`` (MPI under mpirun with mpi4py on one host, else Horovod). Default:
+            ``"auto"`` (MPI under mpirun with mpi4py, else Horovod). Default:
             ``$HVD_SYNCBN_COMM``, else ``"auto"``. When ranks disagree, every rank
             raises :class:`~hvd_syncbn.comm.SyncBatchNormError` within the timeout.
         check_finite: raise (before any update) when the global statistics are not

@@ -181,8 +181,7 @@ class SyncBatchNorm(_BatchNorm):
         comm: how statistics travel: ``"horovod"``, ``"mpi"`` (mpi4py, under mpirun),
             ``"torch"`` (the default ``torch.distributed`` group, or ``process_set`` as a
             group) or ``"auto"``: torch if a process group exists, else MPI under mpirun
-            with mpi4py and all ranks on one host, else Horovod. Default:
-            ``$HVD_SYNCBN_COMM``, else ``"auto"``.
+            with mpi4py, else Horovod. Default: ``$HVD_SYNCBN_COMM``, else ``"auto"``.
         check_finite: raise ``ValueError`` on every rank, before any update, when the
             global statistics are not finite (NaN/Inf in some rank's input). Default: ``False``.
 
