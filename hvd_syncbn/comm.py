@@ -362,9 +362,11 @@ class MpiCommunicator(Communicator):
     duplicate for diagnostics. ``comm``: use this MPI communicator as it is.
 
     The sum is a :class:`_Reduction` of point-to-point messages, not MPI's nonblocking
-    ``Iallreduce``: with Horovod's thread in MPI at the same time, Open MPI 4.1's
-    ``Iallreduce`` (libnbc) over TCP now and then never completed on some ranks after it
-    had completed on the others (seen across network-namespace hosts under load)."""
+    ``Iallreduce``: with Horovod's thread in MPI at the same time, plain
+    ``Isend``/``Irecv`` is the best-trodden path, while Open MPI's nonblocking collectives
+    (libnbc) have a history of thread-safety bugs (open-mpi/ompi#2427). The multi-host
+    stalls first blamed on ``Iallreduce`` turned out to be the test's emulated hosts
+    starving each other of CPU (see ``launch/netns_hosts.sh``)."""
 
     kind = "mpi"
     spins = 2000

@@ -16,7 +16,12 @@
 #   `agent HOST COMMAND...` instead of ssh: it runs COMMAND (mpirun's orted) in HOST's
 #   namespace, in a UTS namespace of its own with that hostname, with a login-like
 #   environment (env -i), so the ranks see only what mpirun exports with -x, as on a
-#   real second machine.
+#   real second machine. The agent drops orted's --daemonize: a daemonized orted calls
+#   setsid, and Linux's autogroup scheduler (kernel.sched_autogroup_enabled) then splits
+#   the cores between the sessions, one per emulated host. Real hosts have cores of
+#   their own; here the hosts' MPI and Horovod threads, which poll and sched_yield,
+#   stalled each other for seconds to minutes, until jobs timed out. In mpirun's
+#   session all ranks share the cores as one group, as in a one-host job.
 # The job runs through launch/mpirun.sh (so with its -x list and HOROVOD_CYCLE_TIME)
 # plus: -np N*S, the hostfile, the agent, --mca btl tcp,self,vader (TCP between hosts,
 # shared memory within one) and btl_tcp_if_include / oob_tcp_if_include A.B.C.0/24.
@@ -153,9 +158,11 @@ done
 cat >> "$agent" <<EOF
   *) echo "netns_hosts rsh agent: unknown host '\$host'" >&2; exit 255 ;;
 esac
+# orted in the foreground, in mpirun's session: see --daemonize at the top of netns_hosts.sh.
+cmd=\$(printf '%s' "\$*" | sed 's/ --daemonize\( \|\$\)/\1/')
 exec ip netns exec "\$ns" unshare --uts env -i PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin \\
   HOME="$HOME" USER="$(id -un)" LOGNAME="$(id -un)" SHELL=/bin/sh \\
-  sh -c 'hostname "\$0" && exec sh -c "\$1"' "\$name" "\$*"
+  sh -c 'hostname "\$0" && exec sh -c "\$1"' "\$name" "\$cmd"
 EOF
 chmod +x "$agent"
 log "$hosts hosts x $slots slots: $(tr '\n' ' ' < "$hostfile")(namespaces ${prefix}0..$((hosts - 1)), bridge $bridge)"

@@ -107,6 +107,10 @@ def test_topology_hosts_and_ranks(tmp_path):
         assert r["hostname"] == f"{PREFIX}-host{host}", r
         # The launcher's HOROVOD_* variables reached the ranks on the other hosts through -x.
         assert r["cycle_time"] == "0.5", r
+    # The emulated hosts share this machine's cores: their ranks must be scheduled as one
+    # group (netns_hosts.sh keeps orted in mpirun's session), or they stall each other.
+    groups = {r["autogroup"] for r in ranks}
+    assert len(groups) == 1, f"ranks in different scheduling groups: {ranks}"
 
 
 @pytest.mark.parametrize("suite", ["tests/ranks_torch.py", "tests/ranks_tf.py"])

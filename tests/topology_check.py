@@ -4,7 +4,8 @@
 
 Every rank asserts that it sees ``--hosts`` hosts of ``--slots`` ranks each, placed by
 slot (ranks 0..S-1 on the first host), that the ranks of one host share a hostname and
-no two hosts do, then prints one line ``topology {json}`` for the launching test to read.
+no two hosts do, then prints one line ``topology {json}`` (with its scheduling group)
+for the launching test to read.
 """
 
 from __future__ import annotations
@@ -17,6 +18,16 @@ import socket
 import horovod.torch as hvd
 
 
+def autogroup() -> str | None:
+    """This process's CPU scheduling group (Linux autogroup: one per session), or
+    ``None`` where the kernel has none."""
+    try:
+        with open("/proc/self/autogroup") as f:
+            return f.read().split()[0]
+    except OSError:
+        return None
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--hosts", type=int, required=True, help="expected hvd.cross_size()")
@@ -26,7 +37,7 @@ def main() -> None:
     hvd.init()
     me = dict(rank=hvd.rank(), size=hvd.size(), local_rank=hvd.local_rank(), local_size=hvd.local_size(),
               cross_rank=hvd.cross_rank(), cross_size=hvd.cross_size(), hostname=socket.gethostname(),
-              cycle_time=os.environ.get("HOROVOD_CYCLE_TIME"))
+              cycle_time=os.environ.get("HOROVOD_CYCLE_TIME"), autogroup=autogroup())
     everyone = hvd.allgather_object(me, name="topology_check")
 
     assert me["size"] == args.hosts * args.slots, f"expected {args.hosts} x {args.slots} ranks, got {me}"
