@@ -30,9 +30,6 @@ NETNS = ROOT / "launch" / "netns_hosts.sh"
 HOSTS, SLOTS = 2, 2
 # Names and subnet of our own, apart from the script's defaults (hvdnh, 10.201.0).
 PREFIX, SUBNET = "hvdmh", "10.201.7"
-# At 4 ranks on this 2-core machine this one test takes about 3 of the TF suite's 4.5
-# minutes; test_launch.py runs it at 1, 2 and 3 ranks.
-SLOW_AT_4_RANKS = ["tests/ranks_tf.py::test_converted_keras_application_fits_like_one_process"]
 
 
 def leftovers() -> list:
@@ -115,9 +112,7 @@ def test_topology_hosts_and_ranks(tmp_path):
 
 @pytest.mark.parametrize("suite", ["tests/ranks_torch.py", "tests/ranks_tf.py"])
 def test_suite_across_hosts(suite, tmp_path):
-    deselect = [arg for test in SLOW_AT_4_RANKS if test.startswith(suite) for arg in ("--deselect", test)]
-    log = run_hosts("-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "--color=no", *deselect, suite,
-                    out_dir=tmp_path)
+    log = run_hosts("-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "--color=no", suite, out_dir=tmp_path)
     for rank, out in enumerate(rank_outputs(tmp_path)):
         summary = re.findall(r"^=* ?(\d+ (?:passed|failed).*)$", out, re.M)
         assert summary, f"rank {rank} printed no pytest summary:\n{out[-3000:]}\n{log[-3000:]}"
