@@ -156,6 +156,7 @@ def check_input(
     num_features: int,
     is_floating: bool,
     dtype: object,
+    cast: str,
 ) -> None:
     """Static input checks shared by the adapters; raises ``ValueError`` naming the layer.
 
@@ -166,6 +167,7 @@ def check_input(
         num_features: the channel count the layer was built for.
         is_floating: whether the input dtype is a real floating type.
         dtype: the input dtype, for the message.
+        cast: how to cast in the caller's framework, for the message (``x.float()``).
     """
     if len(shape) < 2:
         raise ValueError(
@@ -175,7 +177,7 @@ def check_input(
     if not is_floating:
         raise ValueError(
             f"{layer}: expected a floating-point input (float16, bfloat16, float32 or "
-            f"float64), got {dtype}; cast it first, e.g. x.float()"
+            f"float64), got {dtype}; cast it first, e.g. {cast}"
         )
     got = shape[channel_axis]
     if got is not None and got != num_features:

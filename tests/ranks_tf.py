@@ -220,9 +220,11 @@ def test_keras_file_saved_here_loads_in_a_plain_process(tmp_path_factory):
 
 @pytest.mark.parametrize(
     "x, match",
-    [(np.ones((4, 3), np.int32), r"bn_bad: expected a floating-point input .* got int32"),
+    [(np.ones((4, 3), np.int32), r"bn_bad: expected a floating-point input .* got int32; cast it first, "
+                                 r"e\.g\. tf\.cast\(x, tf\.float32\)"),
+     (np.ones((4, 3), np.complex64), r"bn_bad: expected a floating-point input .* got complex64"),
      (np.ones((4,), np.float32), r"bn_bad: expected an input with at least 2 dims")],
-    ids=["int", "ndim"],
+    ids=["int", "complex", "ndim"],
 )
 def test_bad_input_names_layer(x, match):
     with pytest.raises(ValueError, match=match):

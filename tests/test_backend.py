@@ -167,13 +167,13 @@ def test_collective_names_say_which_layer():
     [
         ((4,), True, r"bn7: expected an input with at least 2 dims \(N, C, \.\.\.\), got 1D"),
         ((4, 3, 2), True, r"bn7: expected 8 channels on axis 1, got 3"),
-        ((4, 8), False, r"bn7: expected a floating-point input .* got int32"),
+        ((4, 8), False, r"bn7: expected a floating-point input .* got int32; cast it first, e\.g\. x\.float\(\)"),
     ],
 )
 def test_check_input_messages(shape, floating, match):
     with pytest.raises(ValueError, match=match):
-        backend.check_input("bn7", shape, 1, 8, floating, "int32")
-    backend.check_input("bn7", (None, 8, 5), 1, 8, True, "float32")  # unknown batch is fine
+        backend.check_input("bn7", shape, 1, 8, floating, "int32", "x.float()")
+    backend.check_input("bn7", (None, 8, 5), 1, 8, True, "float32", "x.float()")  # unknown batch is fine
 
 
 def test_single_global_row_raises_when_training():

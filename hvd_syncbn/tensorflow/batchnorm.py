@@ -324,7 +324,8 @@ class SyncBatchNormalization(keras.layers.BatchNormalization):
                 raise ValueError(f"{self.name}: expected a {self._ndim}D input (as built), got {len(shape)}D input "
                                  f"of shape {shape}")
             for a, size in self._channels.items():
-                backend.check_input(self.name, shape, a, size, inputs.dtype.is_floating, inputs.dtype.name)
+                backend.check_input(self.name, shape, a, size, inputs.dtype.is_floating, inputs.dtype.name,
+                                    "tf.cast(x, tf.float32)")
         except ValueError as e:
             return str(e)
         return ""

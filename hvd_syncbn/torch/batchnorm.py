@@ -223,7 +223,7 @@ class SyncBatchNorm(_BatchNorm):
     def _check_input_dim(self, input: Tensor) -> None:
         backend.check_input(
             self.layer_name, input.shape, 1, self.num_features,
-            input.is_floating_point() and not input.is_complex(), input.dtype,
+            input.is_floating_point() and not input.is_complex(), input.dtype, "x.float()",
         )
 
     def _acc_dtype(self, x: Tensor) -> torch.dtype:
