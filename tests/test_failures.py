@@ -110,7 +110,8 @@ def test_peers_of_a_killed_rank_exit_nonzero_in_time(framework, launcher):
     bad = [re.search(r"BAD-STEP rank=(\d) t=([\d.]+)", logs.get(r, "")) for r in range(3)]
     killed_at = float(bad[2].group(2)) if bad[2] else None
     assert killed_at, f"rank 2 never reached the step where it dies:\n{raw[-3000:]}"
-    assert time.time() - killed_at <= T + 10, f"the job ended {time.time() - killed_at:.1f} s after the kill"
+    # Within the timeout, as the issue asks (measured: 0.1-1.1 s; the launchers end the job).
+    assert time.time() - killed_at <= T, f"the job ended {time.time() - killed_at:.1f} s after the kill"
     for rank in (0, 1):
         assert f"RESULT rank={rank} finished" not in logs.get(rank, ""), f"rank {rank} finished despite a dead peer"
     assert time.monotonic() - start < 120
@@ -170,7 +171,7 @@ def test_demo_killed_mid_training_resumes_like_uninterrupted(tmp_path):
         if job.poll() is None:
             job.kill()
     assert job.returncode != 0, out[-3000:]
-    assert took <= T + 10, f"the surviving ranks took {took:.1f} s to exit"
+    assert took <= T, f"the surviving ranks took {took:.1f} s to exit, more than the timeout"
     assert torch.load(ckpt)["epoch"] == 1, "the kill came too late: epoch 2 had finished"
 
     resumed = subprocess.run(
