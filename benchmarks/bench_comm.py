@@ -71,6 +71,11 @@ class Waits:
 
         return Timed
 
+    def measure(self, fns, iters, barrier, comm, per_call=2):
+        """``timed`` of the paths' ``fns``, then the MPI path's last-arrival wait."""
+        return timed(fns, iters, barrier), self.last_arrival_ms(fns[PATHS.index("mpi")], iters, barrier, comm,
+                                                                 per_call)
+
     def last_arrival_ms(self, fn, iters, barrier, comm, per_call=2):
         """Median over ``iters`` calls of ``fn`` (``per_call`` collectives each) of the
         summed per-collective minimum over ranks of the wait, in ms."""
@@ -110,8 +115,7 @@ def bench_torch(iters, world, rank, barrier, mpi):
                 layer(x).backward(dy)
 
             fns.append(step)
-        times = timed(fns, iters, barrier)
-        rows.append(((n, c, h, w), times, waits.last_arrival_ms(fns[PATHS.index("mpi")], iters, barrier, mpi)))
+        rows.append(((n, c, h, w), *waits.measure(fns, iters, barrier, mpi)))
     return rows
 
 
@@ -140,8 +144,7 @@ def bench_tf(iters, world, rank, barrier, mpi):
 
             step()
             fns.append(lambda step=step: step().numpy())
-        times = timed(fns, iters, barrier)
-        rows.append(((n, h, w, c), times, waits.last_arrival_ms(fns[PATHS.index("mpi")], iters, barrier, mpi)))
+        rows.append(((n, h, w, c), *waits.measure(fns, iters, barrier, mpi)))
     return rows
 
 
@@ -163,8 +166,7 @@ def bench_torch_stack(iters, world, rank, barrier, mpi):
             sum(layer(x).sum() for layer, x in zip(layers, xs)).backward()
 
         fns.append(step)
-    times = timed(fns, iters, barrier)
-    return times, waits.last_arrival_ms(fns[PATHS.index("mpi")], iters, barrier, mpi, per_call=2 * len(RESNET50))
+    return waits.measure(fns, iters, barrier, mpi, per_call=2 * len(RESNET50))
 
 
 def report(title, rows):
