@@ -20,12 +20,15 @@ import horovod.torch as hvd
 
 def autogroup() -> str | None:
     """This process's CPU scheduling group (Linux autogroup: one per session), or
-    ``None`` where the kernel has none."""
+    ``None`` where the kernel has none. The kernel prints nothing for a process in the
+    default group (one whose session began before autogroup applied, as on CI's
+    machine): that is ``"default"``, one group shared by all such processes."""
     try:
         with open("/proc/self/autogroup") as f:
-            return f.read().split()[0]
+            fields = f.read().split()
     except OSError:
         return None
+    return fields[0] if fields else "default"
 
 
 def main() -> None:
