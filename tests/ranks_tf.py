@@ -84,8 +84,10 @@ def make_pair(tail, axis=-1, oracle_dtype="float64", **kwargs):
     return sync, plain
 
 
-def run_steps(sync, plain, tail, pattern, steps=3, compiled=False, mask=False, **tol):
-    """Train ``sync`` on this rank's shard and ``plain`` on the whole batch; compare."""
+def run_steps(sync, plain, tail, pattern, steps=3, compiled=False, mask=False, scale=1.0, grad_atol=None, **tol):
+    """Train ``sync`` on this rank's shard and ``plain`` on the whole batch (its data
+    ``scale`` times unit normal, shifted by ``scale·step``); compare. ``grad_atol``
+    replaces ``atol`` for the input gradient, which grows as 1/``scale``."""
     sizes = shard_sizes(pattern, WORLD)
     mine = shard_slice(sizes, RANK)
 
@@ -101,7 +103,7 @@ def run_steps(sync, plain, tail, pattern, steps=3, compiled=False, mask=False, *
 
     step_fn = tf.function(fwd_bwd) if compiled else fwd_bwd
     for step in range(steps):
-        x_all = global_batch(step, sum(sizes), tail, offset=step)
+        x_all = global_batch(step, sum(sizes), tail, offset=scale * step, scale=scale)
         r_all = global_batch(100 + step, sum(sizes), tail)
         m_all = global_batch(200 + step, sum(sizes), tail[:-1]) > -0.5 if mask else None
         y_all, g_all = fwd_bwd(plain, tf.constant(x_all), tf.constant(r_all, plain.variable_dtype),
@@ -111,7 +113,8 @@ def run_steps(sync, plain, tail, pattern, steps=3, compiled=False, mask=False, *
         what = f"step {step}, rank {RANK} of {sizes}"
         assert y.dtype == sync.compute_dtype, f"output dtype {y.dtype} != {sync.compute_dtype}"
         assert_close(y, y_all[mine.start:mine.stop], f"output ({what})", **tol)
-        assert_close(g[0], g_all[0][mine.start:mine.stop], f"input grad ({what})", **tol)
+        assert_close(g[0], g_all[0][mine.start:mine.stop], f"input grad ({what})",
+                     **{**tol, **({"atol": grad_atol} if grad_atol else {})})
         # γ/β grads are float32 sums of ~10² O(1) terms that nearly cancel: their
         # rounding alone is ~1e-6·√rows against the float64 oracle, hence atol 1e-5.
         for i, (mine_g, want_g) in enumerate(zip(g[1:], g_all[1:])):
@@ -132,6 +135,12 @@ CASES = {
     "5d": dict(tail=(2, 3, 4, 3), pattern=UNEQUAL),
     "no-center-no-scale": dict(tail=(5, 5, 4), pattern=UNEQUAL, kwargs=dict(center=False, scale=False)),
     "momentum-epsilon": dict(tail=(5, 5, 4), pattern=EMPTY, kwargs=dict(momentum=0.5, epsilon=1e-5)),
+    "3d-channels-first": dict(tail=(3, 7), axis=1, pattern=UNEQUAL),
+    "5d-channels-first": dict(tail=(3, 2, 3, 4), axis=1, pattern=EMPTY),
+    # Variance 1e-4 against epsilon 1e-7: a kernel that raised epsilon to its usual floor
+    # (1.001e-5, as tf.nn.fused_batch_norm does) would be 5% off. Input gradients scale
+    # as 1/std (here 100), and so does atol.
+    "tiny-epsilon": dict(tail=(5, 5, 4), pattern=UNEQUAL, kwargs=dict(epsilon=1e-7), scale=1e-2, grad_atol=1e-4),
     "axis-list": dict(tail=(3, 5, 4), axis=[1, 3], pattern=UNEQUAL),
     "tf-function": dict(tail=(5, 5, 4), pattern=EMPTY, compiled=True),
     "mask": dict(tail=(6, 4), pattern=UNEQUAL, mask=True),
@@ -142,7 +151,30 @@ CASES = {
 def test_matches_keras_bn_on_global_batch(case):
     c = CASES[case]
     sync, plain = make_pair(c["tail"], c.get("axis", -1), **c.get("kwargs", {}))
-    run_steps(sync, plain, c["tail"], c["pattern"], compiled=c.get("compiled", False), mask=c.get("mask", False))
+    run_steps(sync, plain, c["tail"], c["pattern"], compiled=c.get("compiled", False), mask=c.get("mask", False),
+              scale=c.get("scale", 1.0), grad_atol=c.get("grad_atol"))
+
+
+@pytest.mark.parametrize("tail, axis, fused", [((5, 5, 4), -1, True), ((4, 6), 1, True), ((3, 2, 3, 4), 1, True),
+                                                ((6,), -1, True), ((3, 5, 4), [1, 3], False), ((3, 4, 5), 2, False)])
+def test_common_layouts_run_the_fused_kernels(tail, axis, fused):
+    """Channels right after the batch or last, any rank: forward and backward run
+    ``FusedBatchNormV3``/``FusedBatchNormGradV3`` (the equivalence tests above check
+    their results); other layouts, the composite ops."""
+    layer = SyncBatchNormalization(axis=axis)
+    layer.build((None, *tail))
+
+    @tf.function
+    def step(x):
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            y = layer(x, training=True)
+        return tape.gradient(y, [x] + layer.trainable_variables)
+
+    graph = step.get_concrete_function(tf.TensorSpec((None, *tail))).graph.as_graph_def()
+    kinds = {n.op for n in graph.node} | {n.op for f in graph.library.function for n in f.node_def}
+    want = {"FusedBatchNormV3", "FusedBatchNormGradV3"}
+    assert kinds & want == (want if fused else set()), sorted(kinds)
 
 
 def test_mixed_float16_keeps_float32_statistics():

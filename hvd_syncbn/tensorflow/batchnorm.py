@@ -1,6 +1,9 @@
 """Keras 3 / TensorFlow SyncBatchNormalization over Horovod, and its functional op.
 
 Same backend as the PyTorch adapter: one packed allreduce forward, one backward.
+float32 inputs with the channels right after the batch or last (the common layouts)
+normalise, and take their gradient sums, through TF's fused batch-norm kernels given the
+global statistics; other inputs use composite ops.
 """
 
 from __future__ import annotations
@@ -124,6 +127,33 @@ def _sum(t: tf.Tensor, axes: Sequence[int]) -> tf.Tensor:
     return tf.reshape(tf.reduce_sum(t, axis=axes), [-1])
 
 
+def _fused_layout(x: tf.Tensor, axes: Sequence[int]) -> Optional[Tuple[Any, str]]:
+    """How a float32 input with one channel axis, first or last after the batch, feeds
+    the fused kernels (``FusedBatchNormV3`` and its gradient, one pass each): a function
+    that reshapes it to 4D, ``(N, 1, rest, C)`` or ``(N, C, 1, rest)``, and the data
+    format. ``None`` when it cannot."""
+    ndim = len(x.shape)
+    channel = [a for a in range(ndim) if a not in axes]
+    if x.dtype != tf.float32 or len(channel) != 1 or channel[0] not in (1, ndim - 1) or ndim < 2:
+        return None
+    last = channel[0] == ndim - 1
+
+    def to_fused(t: tf.Tensor) -> tf.Tensor:
+        shape = tf.shape(t)
+        rest = tf.reduce_prod(shape[1:-1] if last else shape[2:], keepdims=True)
+        n, c = shape[:1], shape[ndim - 1:] if last else shape[1:2]
+        return tf.reshape(t, tf.concat([n, [1], rest, c] if last else [n, c, [1], rest], 0))
+
+    return to_fused, "NHWC" if last else "NCHW"
+
+
+def _fused_affine(x: tf.Tensor, mean: tf.Tensor, var: tf.Tensor, epsilon: float, scale: tf.Tensor,
+                  offset: tf.Tensor, fmt: str) -> tf.Tensor:
+    """``scale·(x − mean)/√(var + ε) + offset`` per channel, in one pass of the fused kernel."""
+    return tf.raw_ops.FusedBatchNormV3(x=x, scale=scale, offset=offset, mean=mean, variance=var, epsilon=epsilon,
+                                       is_training=False, data_format=fmt)[0]
+
+
 def _sync_normalize(
     xs: Sequence[tf.Tensor],
     gamma: Optional[tf.Tensor],
@@ -156,6 +186,7 @@ def _sync_normalize(
     parts = len(xs)
     weights = [None if m is None else tf.cast(m, x.dtype) for x, m in zip(xs, masks or [None] * parts)]
     params = [tf.reshape(t, [-1]) for t in (gamma, beta) if t is not None]
+    fused = _fused_layout(xs[0], axes) if all(w is None for w in weights) else None
 
     @tf.custom_gradient
     def _fn(*inputs):
@@ -174,22 +205,42 @@ def _sync_normalize(
         dtype = xs[0].dtype
         total, mean, var = (tf.cast(t, dtype) for t in (total, mean, var))
         invstd = tf.math.rsqrt(var + epsilon)
-        xhats = [(x - _keep(mean, x, axes)) * _keep(invstd, x, axes) for x in xs]
-        ys = [_scale_shift(xhat, g, b, axes) for xhat in xhats]
+        if fused:  # one kernel pass forward, one (plus one for the global terms) backward
+            to_fused, fmt = fused
+            ones = tf.ones_like(mean) if g is None else g
+            zeros = tf.zeros_like(mean) if b is None else b
+            x4s = [to_fused(x) for x in xs]
+            ys = [tf.reshape(_fused_affine(x4, mean, var, epsilon, ones, zeros, fmt), tf.shape(x))
+                  for x, x4 in zip(xs, x4s)]
+        else:
+            xhats = [(x - _keep(mean, x, axes)) * _keep(invstd, x, axes) for x in xs]
+            ys = [_scale_shift(xhat, g, b, axes) for xhat in xhats]
 
         def grad(*upstream):
             dys = upstream[:parts]  # the rest are d(mean), d(variance), d(count): not differentiated
-            # Masked positions are normalised too: their dy enters every sum, while
-            # only unmasked positions moved the statistics (hence ``w`` below).
-            sums = [(_sum(dy, axes), _sum(dy * xhat, axes)) for dy, xhat in zip(dys, xhats)]
+            if fused:
+                # With the statistics as constants the kernel gives k·dy, Σdy·x̂ and Σdy.
+                kernel = [tf.raw_ops.FusedBatchNormGradV3(
+                    y_backprop=to_fused(dy), x=x4, scale=ones, reserve_space_1=mean, reserve_space_2=var,
+                    reserve_space_3=tf.zeros([0], dtype), epsilon=epsilon, is_training=False, data_format=fmt)[:3]
+                    for dy, x4 in zip(dys, x4s)]
+                sums = [(db, dg) for _, dg, db in kernel]
+            else:
+                # Masked positions are normalised too: their dy enters every sum, while
+                # only unmasked positions moved the statistics (hence ``w`` below).
+                sums = [(_sum(dy, axes), _sum(dy * xhat, axes)) for dy, xhat in zip(dys, xhats)]
             g_dy, g_dy_xhat = backend.unpack_grad_sums(allreduce(
                 tf.add_n([backend.pack_grad_sums(_ops, *s) for s in sums]), backend.collective_name(name, "bwd")
             ))
             k, s, t = backend.input_grad_coeffs(total, invstd, g, g_dy, g_dy_xhat)
-            dxs = []
-            for x, xhat, dy, w in zip(xs, xhats, dys, weights):
-                stat = _keep(s, x, axes) * xhat + _keep(t, x, axes)
-                dxs.append(_keep(k, x, axes) * dy + (stat if w is None else stat * w))
+            if fused:  # dx = k·dy + (s·x̂ + t), the bracket one more kernel pass
+                dxs = [tf.reshape(k_dy + _fused_affine(x4, mean, var, epsilon, s, t, fmt), tf.shape(x))
+                       for x, x4, (k_dy, _, _) in zip(xs, x4s, kernel)]
+            else:
+                dxs = []
+                for x, xhat, dy, w in zip(xs, xhats, dys, weights):
+                    stat = _keep(s, x, axes) * xhat + _keep(t, x, axes)
+                    dxs.append(_keep(k, x, axes) * dy + (stat if w is None else stat * w))
             dparams = []
             if g is not None:
                 dparams.append(tf.add_n([s[1] for s in sums]))
