@@ -22,11 +22,9 @@ import argparse
 import json
 import os
 import socket
-import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 SHAPES = [(8, 56, 56, 64), (2, 64, 64, 256), (8, 28, 28, 512), (4, 7, 7, 2048), (2, 128, 128, 64)]
@@ -84,9 +82,9 @@ def worker(impl: str, out: str, iters: int, shapes: list, count_steps: int) -> N
     def run(fn, x, dy):
         tf.nest.map_structure(lambda t: t.numpy(), fn(x, dy))  # wait for the result
 
-    if hvd is not None:
-        from common import make_barrier
+    from common import make_barrier, timed
 
+    if hvd is not None:
         barrier = make_barrier(hvd)
     else:  # MultiWorkerMirroredStrategy: no MPI here; its collectives line the workers up
         barrier = lambda: None  # noqa: E731
@@ -98,16 +96,7 @@ def worker(impl: str, out: str, iters: int, shapes: list, count_steps: int) -> N
         x = tf.constant(rng.standard_normal(shape), tf.float32)
         dy = tf.constant(rng.standard_normal(shape), tf.float32)
         fns = {name: step_fn(layer) for name, layer in layers(shape[-1]).items()}
-        samples = {name: [] for name in fns}
-        names = list(fns)
-        for i in range(3 + iters if iters else 1):
-            for name in names[i % len(names):] + names[: i % len(names)]:
-                barrier()
-                start = time.perf_counter()
-                run(fns[name], x, dy)
-                if i >= 3:
-                    samples[name].append((time.perf_counter() - start) * 1e3)
-        times = {name: {"median": statistics.median(s), "n": len(s)} for name, s in samples.items() if s}
+        times = timed({name: (lambda f=fn: run(f, x, dy)) for name, fn in fns.items()}, iters, barrier) if iters else {}
         counts = {}
         if count_steps and hvd is not None:
             from common import count_collectives
@@ -152,11 +141,13 @@ def mwms(ranks: int, worker_args: list) -> int:
 
 
 def jobs(runner, shapes: list, iters: int, ranks: int = 2, comms=("horovod", "mpi"), count_steps: int = 2) -> dict:
-    """Every TF configuration at ``ranks`` ranks, as ``{config: worker result}``; with
+    """Ours at 1 rank and every TF configuration at ``ranks`` ranks, as ``{config: worker
+    result}``; with
     ``count_steps`` a second, counting job per Horovod configuration. ``runner`` is a
     :class:`jobs.Runner`; ``shapes`` are NCHW."""
     args = ["--shapes", json.dumps([nhwc(s) for s in shapes]), "--iters", str(iters)]
-    out = {}
+    # One rank first: no peer, so no transport; ours against local BN alone.
+    out = {"ours 1 rank": runner.mpirun(1, "bench_tf.py", ["--worker", "ours", *args])}
     for comm in comms:
         out[f"ours[{comm}]"] = runner.mpirun(ranks, "bench_tf.py", ["--worker", "ours", *args],
                                              env={"HVD_SYNCBN_COMM": comm})

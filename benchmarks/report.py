@@ -205,11 +205,13 @@ def tf_section(res: dict) -> str:
         oh, lh, om, lm = g("ours[horovod]", k, "ours"), g("ours[horovod]", k, "local"), g("ours[mpi]", k, "ours"), \
             g("ours[mpi]", k, "local")
         k2, k3 = g("hvd_keras2", k, "hvd_keras2"), g("keras3_sync", k, "keras3_sync")
-        rows.append([shape_label(k), ratio(oh, lh), ratio(om, lm), ratio(oh, k2), ratio(oh, k3), ratio(om, k2),
-                     ratio(om, k3), ms(oh), ms(lh), ms(om), ms(lm), ms(k2), ms(k3)])
-    return table(["shape (per rank, as NCHW; run NHWC)", "ours / local", "ours[mpi] / local", "ours / hvd Keras 2",
-                  "ours / Keras 3 sync", "ours[mpi] / hvd Keras 2", "ours[mpi] / Keras 3 sync", "ours ms",
-                  "local ms", "ours[mpi] ms", "local ms (mpi job)", "hvd Keras 2 ms", "Keras 3 sync ms"], rows)
+        o1, l1 = g("ours 1 rank", k, "ours"), g("ours 1 rank", k, "local")
+        rows.append([shape_label(k), ratio(o1, l1), ratio(oh, lh), ratio(om, lm), ratio(oh, k2), ratio(oh, k3),
+                     ratio(om, k2), ratio(om, k3), ms(o1), ms(l1), ms(oh), ms(lh), ms(om), ms(lm), ms(k2), ms(k3)])
+    return table(["shape (per rank, as NCHW; run NHWC)", "1 rank: ours / local", "ours / local", "ours[mpi] / local",
+                  "ours / hvd Keras 2", "ours / Keras 3 sync", "ours[mpi] / hvd Keras 2", "ours[mpi] / Keras 3 sync",
+                  "1 rank: ours ms", "1 rank: local ms", "ours ms", "local ms", "ours[mpi] ms", "local ms (mpi job)",
+                  "hvd Keras 2 ms", "Keras 3 sync ms"], rows)
 
 
 # ---------------------------------------------------------------------- model
@@ -409,6 +411,10 @@ def write_report(res: dict, out: Path) -> Path:
             s, l_ = r["times"]["sync"]["median"], r["times"]["local"]["median"]
             lines.append(f"- Training step, {net}, 2 ranks [{comm}]: SyncBN / local BN = {s / l_:.2f}×.")
     t = res.get("tf_layers", {})
+    one = t.get("ours 1 rank", {})
+    if "shapes" in one:
+        lines.append("- Keras per layer, 1 rank, shapes in order: ours/local "
+                     + " ".join(f"{med(one, k, 'ours') / med(one, k, 'local'):.2f}" for k in one["shapes"]) + ".")
     for comm in ("horovod", "mpi"):
         job = t.get(f"ours[{comm}]", {})
         if "shapes" not in job:
@@ -440,8 +446,8 @@ def write_report(res: dict, out: Path) -> Path:
               "hand-written = `bench_torch.HandSyncBN` (autograd through `hvd.allreduce`, float32 E[x²]−E[x]²). "
               "[mpi] columns come from a second job with `HVD_SYNCBN_COMM=mpi`, with its own local baseline.", "",
               torch_md, "![per-layer](layers_torch_2ranks.png) ![ratio vs ranks](ratio_vs_ranks.png)", "",
-              "## 2. Per-layer forward+backward, Keras (2 ranks)", "",
-              "ours and local BN share a job (one per `HVD_SYNCBN_COMM`); Horovod's Keras 2 layer and Keras 3's "
+              "## 2. Per-layer forward+backward, Keras (1 and 2 ranks)", "",
+              "ours and local BN share a job (one at 1 rank, one per `HVD_SYNCBN_COMM` at 2 ranks); Horovod's Keras 2 layer and Keras 3's "
               "`synchronized=True` (MultiWorkerMirroredStrategy) run in jobs of their own.", "", tf_section(res), "",
               "## 3. Training step (forward, loss, backward, SGD step), 2 ranks", "", e2e_section(res), "",
               "## 4. Collectives and bytes per layer per step, counted", "",
