@@ -4,9 +4,13 @@ latency/bandwidth fit in ``scaling.py``.
     launch/mpirun.sh -np 2 -- python benchmarks/alphabeta.py        # prints a table
 
 Every size is a float64 buffer summed in place; ``--iters`` rounds each time every size
-through both transports, one call after an ``MPI_Barrier`` each (here the barrier's
-spin is harmless: nothing else of ours runs). Rank 0 keeps each point's median and
-lower decile (``*_p10``: the uncontended cost on a shared machine).
+through both transports, each call right after the barrier the layer benchmarks use
+(``common.make_barrier``, a 1-element Horovod allreduce), so that the fit sees the
+calls as they do: a Horovod call then starts just after a background cycle and waits
+for the next one, and an mpi4py call meets its peers as they leave the barrier. (After
+an ``MPI_Barrier`` instead, a Horovod call lands anywhere in the cycle and costs about
+half as much: the fit then missed the layers' floors by 60-80%.) Rank 0 keeps each
+point's median and lower decile (``*_p10``: the uncontended cost on a shared machine).
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ import torch
 from mpi4py import MPI
 
 import horovod.torch as hvd
-from common import write_json
+from common import make_barrier, write_json
 
 SIZES = [1, 8, 64, 512, 4096, 32768, 262144]  # float64 elements: 8 B .. 2 MiB
 
@@ -43,11 +47,12 @@ def main() -> None:
                "mpi4py": lambda a=a: comm.Allreduce(MPI.IN_PLACE, a, op=MPI.SUM)}
            for n, (t, a) in bufs.items()}
     samples = {(n, k): [] for n in sizes for k in ("horovod", "mpi4py")}
+    barrier = make_barrier(hvd)
     # Rounds over every size and transport, so that a burst of other load hits all alike.
     for i in range(3 + args.iters):
         for n in sizes:
             for k in ("horovod", "mpi4py") if i % 2 else ("mpi4py", "horovod"):
-                comm.Barrier()
+                barrier()
                 start = time.perf_counter()
                 fns[n][k]()
                 if i >= 3:

@@ -7,11 +7,13 @@ the textbook lower bounds that MPI libraries approach for small and large messag
     allreduce(W, n) = h + ceil(log2 W)·α + 2(W−1)/W · n·β
     allgather(W, n) = h + ceil(log2 W)·α + (W−1) · n·β      (n: one rank's part)
 
-``h`` is a fixed per-call cost (Horovod: waiting for its background cycle and its
-negotiation; mpi4py: the call itself), ``α`` the per-round latency, ``β`` seconds per
-byte. They are fitted (non-negative least squares on relative error) to the lower
-decile of each point of ``alphabeta.py``'s sweeps at 1–4 ranks (the uncontended cost:
-the machine may be shared). SyncBN's collectives sit on the critical path one after
+``h`` is a fixed per-call cost (Horovod: waiting for its next background cycle, a
+full one when the call follows another Horovod collective, and its negotiation;
+mpi4py: the call itself and the ranks' skew), ``α`` the per-round latency, ``β``
+seconds per byte. They are fitted (non-negative least squares on relative error) to
+the lower decile of each point of ``alphabeta.py``'s sweeps at 1–4 ranks (the
+uncontended cost: the machine may be shared), each call timed right after a Horovod
+barrier as in the layer benchmarks. SyncBN's collectives sit on the critical path one after
 another, so a step's overhead is the sum over its BN layers of their collectives.
 """
 
