@@ -38,7 +38,7 @@ def nhwc(shape) -> tuple:
     return (n, h, w, c)
 
 
-def worker(impl: str, out: str, iters: int, shapes: list, count_steps: int) -> None:
+def worker(impl: str, out: str, iters: int, shapes: list, count_steps: int, local_again: bool = False) -> None:
     import numpy as np
     import tensorflow as tf
 
@@ -61,8 +61,11 @@ def worker(impl: str, out: str, iters: int, shapes: list, count_steps: int) -> N
         if impl == "ours":
             from hvd_syncbn.tensorflow import SyncBatchNormalization
 
-            return {"ours": SyncBatchNormalization(name=f"bench_{channels}"),
+            both = {"ours": SyncBatchNormalization(name=f"bench_{channels}"),
                     "local": keras.layers.BatchNormalization()}
+            if local_again:  # the A/A control: what noise alone makes of two identical layers
+                both["local_again"] = keras.layers.BatchNormalization()
+            return both
         if impl == "hvd_keras2":
             return {impl: hvd.SyncBatchNormalization()}
         with strategy.scope():
@@ -147,7 +150,7 @@ def jobs(runner, shapes: list, iters: int, ranks: int = 2, comms=("horovod", "mp
     :class:`jobs.Runner`; ``shapes`` are NCHW."""
     args = ["--shapes", json.dumps([nhwc(s) for s in shapes]), "--iters", str(iters)]
     # One rank first: no peer, so no transport; ours against local BN alone.
-    out = {"ours 1 rank": runner.mpirun(1, "bench_tf.py", ["--worker", "ours", *args])}
+    out = {"ours 1 rank": runner.mpirun(1, "bench_tf.py", ["--worker", "ours", "--local-again", *args])}
     for comm in comms:
         out[f"ours[{comm}]"] = runner.mpirun(ranks, "bench_tf.py", ["--worker", "ours", *args],
                                              env={"HVD_SYNCBN_COMM": comm})
@@ -173,13 +176,14 @@ def main() -> None:
     parser.add_argument("--shapes", default=json.dumps(SHAPES),
                         help="JSON list of NHWC shapes (workers)")
     parser.add_argument("--count-steps", type=int, default=0)
+    parser.add_argument("--local-again", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--mwms", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args()
     shapes = [tuple(s) for s in json.loads(args.shapes)]
     if args.worker:
-        return worker(args.worker, args.out, args.iters, shapes, args.count_steps)
+        return worker(args.worker, args.out, args.iters, shapes, args.count_steps, args.local_again)
     if args.mwms:
         sys.exit(mwms(args.mwms, ["--shapes", args.shapes, "--iters", str(args.iters), "--out", args.out]))
     from jobs import Runner

@@ -10,7 +10,9 @@ Implementations, each timed interleaved with the others in one job (``--impls``)
 - ``floor_hvd`` / ``floor_mpi``: the communication floor, two raw allreduces of the
   buffers our layer sends (``2C+3`` float64 forward, ``2C+2`` backward), through Horovod
   and through mpi4py;
-- ``hand``: :class:`HandSyncBN`, the autograd-through-allreduce layer users write.
+- ``hand``: :class:`HandSyncBN`, the autograd-through-allreduce layer users write;
+- ``local_again``: a second ``nn.BatchNorm2d``, the A/A control: its ratio to ``local``
+  is what this machine's noise alone makes of two identical layers.
 
 ``torch.nn.SyncBatchNorm`` and ``hvd.SyncBatchNorm`` are tried once each on a CPU input;
 what they raise is recorded. With ``--out`` every rank-0 number goes to a JSON file,
@@ -136,7 +138,7 @@ def build(impl: str, shape: tuple) -> object:
     c, tag = shape[1], "x".join(map(str, shape))
     if impl == "ours":
         return SyncBatchNorm(c, name=f"bench.ours.{tag}")
-    if impl == "local":
+    if impl in ("local", "local_again"):
         return nn.BatchNorm2d(c)
     if impl == "hand":
         return HandSyncBN(c, name=f"bench.hand.{tag}")
@@ -144,7 +146,8 @@ def build(impl: str, shape: tuple) -> object:
         return floor_hvd(c, f"bench.floor.{tag}")
     if impl == "floor_mpi":
         return floor_mpi(c)
-    raise ValueError(f"unknown implementation {impl!r}; expected ours, local, hand, floor_hvd or floor_mpi")
+    raise ValueError(f"unknown implementation {impl!r}; expected ours, local, local_again, hand, floor_hvd or "
+                     "floor_mpi")
 
 
 def main() -> None:

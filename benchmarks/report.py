@@ -112,6 +112,8 @@ def torch_section(res: dict) -> tuple:
         head = ["shape (per rank)", "ours / local", "ours / (local + floor)", "ours / hand-written",
                 "ours[mpi] / local", "ours[mpi] / (local + floor_mpi)",
                 "ours ms", "local ms", "floor_hvd ms", "hand ms", "ours[mpi] ms", "local ms (mpi job)", "floor_mpi ms"]
+        if ranks == 1:
+            head += ["A/A: local again / local", "A/A [mpi job]"]
         refusals = h.get("refusals")
         if refusals:
             head += ["torch.nn.SyncBatchNorm", "hvd.SyncBatchNorm"]
@@ -122,11 +124,14 @@ def torch_section(res: dict) -> tuple:
             om, lm, fm = (med(m, key, i) for i in ("ours", "local", "floor_mpi"))
             row = [shape_label(key), ratio(o, l_), ratio(o, l_ + f), ratio(o, hd), ratio(om, lm), ratio(om, lm + fm),
                    ms(o), ms(l_), ms(f), ms(hd), ms(om), ms(lm), ms(fm)]
+            if ranks == 1:
+                row += [ratio(med(h, key, "local_again"), l_), ratio(med(m, key, "local_again"), lm)]
             if refusals:
                 row += [refusals.get("torch_syncbn", "—"), refusals.get("hvd_syncbn_layer", "—")]
             rows.append(row)
             summary.setdefault(ranks, []).append((o / l_ if l_ else math.nan, om / lm if lm else math.nan,
-                                                  o / hd if hd else math.nan))
+                                                  o / hd if hd else math.nan, med(h, key, "local_again") / l_,
+                                                  med(m, key, "local_again") / lm))
         out.append(f"### {ranks} rank{'s' * (ranks > 1)}{note}\n\n{table(head, rows)}\n")
     return "\n".join(out), summary
 
@@ -205,10 +210,11 @@ def tf_section(res: dict) -> str:
         oh, lh, om, lm = g("ours[horovod]", k, "ours"), g("ours[horovod]", k, "local"), g("ours[mpi]", k, "ours"), \
             g("ours[mpi]", k, "local")
         k2, k3 = g("hvd_keras2", k, "hvd_keras2"), g("keras3_sync", k, "keras3_sync")
-        o1, l1 = g("ours 1 rank", k, "ours"), g("ours 1 rank", k, "local")
-        rows.append([shape_label(k), ratio(o1, l1), ratio(oh, lh), ratio(om, lm), ratio(oh, k2), ratio(oh, k3),
+        o1, l1, a1 = g("ours 1 rank", k, "ours"), g("ours 1 rank", k, "local"), g("ours 1 rank", k, "local_again")
+        rows.append([shape_label(k), ratio(o1, l1), ratio(a1, l1), ratio(oh, lh), ratio(om, lm), ratio(oh, k2), ratio(oh, k3),
                      ratio(om, k2), ratio(om, k3), ms(o1), ms(l1), ms(oh), ms(lh), ms(om), ms(lm), ms(k2), ms(k3)])
-    return table(["shape (per rank, as NCHW; run NHWC)", "1 rank: ours / local", "ours / local", "ours[mpi] / local",
+    return table(["shape (per rank, as NCHW; run NHWC)", "1 rank: ours / local", "1 rank, A/A: local again / local",
+                  "ours / local", "ours[mpi] / local",
                   "ours / hvd Keras 2", "ours / Keras 3 sync", "ours[mpi] / hvd Keras 2", "ours[mpi] / Keras 3 sync",
                   "1 rank: ours ms", "1 rank: local ms", "ours ms", "local ms", "ours[mpi] ms", "local ms (mpi job)",
                   "hvd Keras 2 ms", "Keras 3 sync ms"], rows)
@@ -403,8 +409,9 @@ def write_report(res: dict, out: Path) -> Path:
              "`mpi_yield_when_idle=1` (a waiting rank yields its core instead of spinning).", "", "## Summary: ratios", ""]
     for ranks, vals in summary.items():
         f = lambda i: " ".join(f"{v[i]:.2f}" for v in vals)  # noqa: E731
+        aa = f"; A/A control, a second nn.BatchNorm2d / local [horovod] {f(3)}, [mpi] {f(4)}" if ranks == 1 else ""
         lines.append(f"- PyTorch per layer, {ranks} rank(s), shapes in order: ours/local [horovod] {f(0)}; "
-                     f"ours/local [mpi] {f(1)}; ours/hand-written {f(2)}.")
+                     f"ours/local [mpi] {f(1)}; ours/hand-written {f(2)}{aa}.")
     e = res["e2e"]
     for comm in ("horovod", "mpi"):
         for net, r in e.get(comm, {}).get("nets", {}).items():
@@ -413,8 +420,9 @@ def write_report(res: dict, out: Path) -> Path:
     t = res.get("tf_layers", {})
     one = t.get("ours 1 rank", {})
     if "shapes" in one:
-        lines.append("- Keras per layer, 1 rank, shapes in order: ours/local "
-                     + " ".join(f"{med(one, k, 'ours') / med(one, k, 'local'):.2f}" for k in one["shapes"]) + ".")
+        r = lambda a: " ".join(f"{med(one, k, a) / med(one, k, 'local'):.2f}" for k in one["shapes"])  # noqa: E731
+        lines.append(f"- Keras per layer, 1 rank, shapes in order: ours/local {r('ours')}; A/A control, a second "
+                     f"Keras BN / local {r('local_again')}.")
     for comm in ("horovod", "mpi"):
         job = t.get(f"ours[{comm}]", {})
         if "shapes" not in job:
