@@ -94,6 +94,28 @@ def _local_moments(x: tf.Tensor, axes: Sequence[int], weights: Optional[tf.Tenso
     return count, mean, var
 
 
+def _fused_moments(x: tf.Tensor, axes: Sequence[int], x4: tf.Tensor, fmt: str):
+    """:func:`_local_moments` of ``x`` from the fused kernel run on ``x4`` (its 4D view):
+    one pass for mean and variance, where the composite ops take five.
+
+    The kernel's float32 mean is exact enough unless ``|mean| > 100·std`` on some channel
+    (:func:`hvd_syncbn.backend.mean_needs_float64`); then the shifted sums run instead.
+    """
+    ones = tf.ones(tf.shape(x4)[3 if fmt == "NHWC" else 1:][:1], x4.dtype)
+    count = tf.cast(tf.size(x4), x4.dtype) / tf.cast(tf.size(ones), x4.dtype)
+    # batch_variance is the unbiased one: n/(n−1), or 1 for n ≤ 1; no rows give NaN.
+    _, mean, var, _, _, _ = tf.raw_ops.FusedBatchNormV3(
+        x=x4, scale=ones, offset=tf.zeros_like(ones), mean=tf.zeros([0], x4.dtype), variance=tf.zeros([0], x4.dtype),
+        epsilon=1.0, is_training=True, data_format=fmt)
+    some = count > 0
+    mean = tf.where(some, mean, 0.0)
+    var = tf.where(some, var * (tf.maximum(count, 1.0) - 1.0) / tf.maximum(count, 1.0), 0.0)
+    ratio = backend.MEAN_RATIO_FOR_FLOAT64
+    return tf.cond(tf.reduce_any(mean * mean > ratio * ratio * var),
+                   lambda: _local_moments(x, axes, None),
+                   lambda: (tf.fill([1], count), tf.cast(mean, tf.float64), var))
+
+
 def _split_axes(ndim: int, axis: Any, layer: str) -> Tuple[list, list]:
     """``(channel axes, reduction axes)``, sorted and non-negative, of an ``ndim`` input
     whose channels are ``axis`` (an int or a list of ints)."""
@@ -130,13 +152,15 @@ def _sum(t: tf.Tensor, axes: Sequence[int]) -> tf.Tensor:
 def _fused_layout(x: tf.Tensor, axes: Sequence[int]) -> Optional[Tuple[Any, str]]:
     """How a float32 input with one channel axis, first or last after the batch, feeds
     the fused kernels (``FusedBatchNormV3`` and its gradient, one pass each): a function
-    that reshapes it to 4D, ``(N, 1, rest, C)`` or ``(N, C, 1, rest)``, and the data
-    format. ``None`` when it cannot."""
+    that reshapes it to 4D (other ranks as ``(N, 1, rest, C)`` or ``(N, C, 1, rest)``),
+    and the data format. ``None`` when it cannot."""
     ndim = len(x.shape)
     channel = [a for a in range(ndim) if a not in axes]
     if x.dtype != tf.float32 or len(channel) != 1 or channel[0] not in (1, ndim - 1) or ndim < 2:
         return None
     last = channel[0] == ndim - 1
+    if ndim == 4:
+        return (lambda t: t), "NHWC" if last else "NCHW"
 
     def to_fused(t: tf.Tensor) -> tf.Tensor:
         shape = tf.shape(t)
@@ -145,6 +169,11 @@ def _fused_layout(x: tf.Tensor, axes: Sequence[int]) -> Optional[Tuple[Any, str]
         return tf.reshape(t, tf.concat([n, [1], rest, c] if last else [n, c, [1], rest], 0))
 
     return to_fused, "NHWC" if last else "NCHW"
+
+
+def _like(t: tf.Tensor, x: tf.Tensor) -> tf.Tensor:
+    """``t`` (a fused kernel's 4D result) in the shape of ``x``."""
+    return t if len(x.shape) == 4 else tf.reshape(t, tf.shape(x))
 
 
 def _fused_affine(x: tf.Tensor, mean: tf.Tensor, var: tf.Tensor, epsilon: float, scale: tf.Tensor,
@@ -193,11 +222,18 @@ def _sync_normalize(
         xs, params = inputs[:parts], inputs[parts:]
         g = params[0] if gamma is not None else None
         b = params[-1] if beta is not None else None
-        local = [backend.pack_moments(_ops, *_local_moments(x, axes, w)) for x, w in zip(xs, weights)]
+        if fused:
+            to_fused, fmt = fused
+            x4s = [to_fused(x) for x in xs]
+            moments = [_fused_moments(x, axes, x4, fmt) for x, x4 in zip(xs, x4s)]
+        else:
+            moments = [_local_moments(x, axes, w) for x, w in zip(xs, weights)]
+        local = [backend.pack_moments(_ops, *m) for m in moments]
         total, mean, var = backend.unpack_moments(
             _ops, allreduce(tf.add_n(local), backend.collective_name(name, "fwd"))
         )
-        checks = [tf.debugging.assert_none_equal(total, tf.ones_like(total), message=backend.single_row_message(name))]
+        # A string-only Assert is a plain op; assert_none_equal would add a cond per layer.
+        checks = [tf.debugging.Assert(tf.reduce_all(tf.not_equal(total, 1.0)), [backend.single_row_message(name)])]
         if check_finite:
             checks.append(tf.debugging.assert_all_finite(mean + var, backend.non_finite_message(name)))
         with tf.control_dependencies(checks):  # nothing downstream (updates included) runs first
@@ -206,12 +242,9 @@ def _sync_normalize(
         total, mean, var = (tf.cast(t, dtype) for t in (total, mean, var))
         invstd = tf.math.rsqrt(var + epsilon)
         if fused:  # one kernel pass forward, one (plus one for the global terms) backward
-            to_fused, fmt = fused
             ones = tf.ones_like(mean) if g is None else g
             zeros = tf.zeros_like(mean) if b is None else b
-            x4s = [to_fused(x) for x in xs]
-            ys = [tf.reshape(_fused_affine(x4, mean, var, epsilon, ones, zeros, fmt), tf.shape(x))
-                  for x, x4 in zip(xs, x4s)]
+            ys = [_like(_fused_affine(x4, mean, var, epsilon, ones, zeros, fmt), x) for x, x4 in zip(xs, x4s)]
         else:
             xhats = [(x - _keep(mean, x, axes)) * _keep(invstd, x, axes) for x in xs]
             ys = [_scale_shift(xhat, g, b, axes) for xhat in xhats]
@@ -234,7 +267,7 @@ def _sync_normalize(
             ))
             k, s, t = backend.input_grad_coeffs(total, invstd, g, g_dy, g_dy_xhat)
             if fused:  # dx = k·dy + (s·x̂ + t), the bracket one more kernel pass
-                dxs = [tf.reshape(k_dy + _fused_affine(x4, mean, var, epsilon, s, t, fmt), tf.shape(x))
+                dxs = [_like(k_dy + _fused_affine(x4, mean, var, epsilon, s, t, fmt), x)
                        for x, x4, (k_dy, _, _) in zip(xs, x4s, kernel)]
             else:
                 dxs = []
