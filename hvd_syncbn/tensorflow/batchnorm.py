@@ -104,6 +104,7 @@ def _fused_moments(x: tf.Tensor, axes: Sequence[int], x4: tf.Tensor, fmt: str):
     ones = tf.ones(tf.shape(x4)[3 if fmt == "NHWC" else 1:][:1], x4.dtype)
     count = tf.cast(tf.size(x4), x4.dtype) / tf.cast(tf.size(ones), x4.dtype)
     # batch_variance is the unbiased one: n/(n−1), or 1 for n ≤ 1; no rows give NaN.
+    # epsilon only touches the normalised output, which this call discards.
     _, mean, var, _, _, _ = tf.raw_ops.FusedBatchNormV3(
         x=x4, scale=ones, offset=tf.zeros_like(ones), mean=tf.zeros([0], x4.dtype), variance=tf.zeros([0], x4.dtype),
         epsilon=1.0, is_training=True, data_format=fmt)
