@@ -145,9 +145,8 @@ def mwms(ranks: int, worker_args: list) -> int:
 
 def jobs(runner, shapes: list, iters: int, ranks: int = 2, comms=("horovod", "mpi"), count_steps: int = 2) -> dict:
     """Ours at 1 rank and every TF configuration at ``ranks`` ranks, as ``{config: worker
-    result}``; with
-    ``count_steps`` a second, counting job per Horovod configuration. ``runner`` is a
-    :class:`jobs.Runner`; ``shapes`` are NCHW."""
+    result}``; with ``count_steps`` a second, counting job per Horovod configuration.
+    ``runner`` is a :class:`jobs.Runner`; ``shapes`` are NCHW."""
     args = ["--shapes", json.dumps([nhwc(s) for s in shapes]), "--iters", str(iters)]
     # One rank first: no peer, so no transport; ours against local BN alone.
     out = {"ours 1 rank": runner.mpirun(1, "bench_tf.py", ["--worker", "ours", "--local-again", *args])}

@@ -211,8 +211,9 @@ def tf_section(res: dict) -> str:
             g("ours[mpi]", k, "local")
         k2, k3 = g("hvd_keras2", k, "hvd_keras2"), g("keras3_sync", k, "keras3_sync")
         o1, l1, a1 = g("ours 1 rank", k, "ours"), g("ours 1 rank", k, "local"), g("ours 1 rank", k, "local_again")
-        rows.append([shape_label(k), ratio(o1, l1), ratio(a1, l1), ratio(oh, lh), ratio(om, lm), ratio(oh, k2), ratio(oh, k3),
-                     ratio(om, k2), ratio(om, k3), ms(o1), ms(l1), ms(oh), ms(lh), ms(om), ms(lm), ms(k2), ms(k3)])
+        rows.append([shape_label(k), ratio(o1, l1), ratio(a1, l1), ratio(oh, lh), ratio(om, lm), ratio(oh, k2),
+                     ratio(oh, k3), ratio(om, k2), ratio(om, k3), ms(o1), ms(l1), ms(oh), ms(lh), ms(om), ms(lm),
+                     ms(k2), ms(k3)])
     return table(["shape (per rank, as NCHW; run NHWC)", "1 rank: ours / local", "1 rank, A/A: local again / local",
                   "ours / local", "ours[mpi] / local",
                   "ours / hvd Keras 2", "ours / Keras 3 sync", "ours[mpi] / hvd Keras 2", "ours[mpi] / Keras 3 sync",
@@ -455,7 +456,8 @@ def write_report(res: dict, out: Path) -> Path:
               "[mpi] columns come from a second job with `HVD_SYNCBN_COMM=mpi`, with its own local baseline.", "",
               torch_md, "![per-layer](layers_torch_2ranks.png) ![ratio vs ranks](ratio_vs_ranks.png)", "",
               "## 2. Per-layer forward+backward, Keras (1 and 2 ranks)", "",
-              "ours and local BN share a job (one at 1 rank, one per `HVD_SYNCBN_COMM` at 2 ranks); Horovod's Keras 2 layer and Keras 3's "
+              "ours and local BN share a job (one at 1 rank, one per `HVD_SYNCBN_COMM` at 2 ranks); "
+              "Horovod's Keras 2 layer and Keras 3's "
               "`synchronized=True` (MultiWorkerMirroredStrategy) run in jobs of their own.", "", tf_section(res), "",
               "## 3. Training step (forward, loss, backward, SGD step), 2 ranks", "", e2e_section(res), "",
               "## 4. Collectives and bytes per layer per step, counted", "",

@@ -41,7 +41,8 @@ def torch_layers(runner: Runner, shapes: list, iters: int, ranks_list: list, cou
     args = ["--shapes", json.dumps(shapes), "--iters", str(iters)]
     for ranks in ranks_list:
         for comm in COMMS if ranks == 2 or not quick else COMMS[:1]:
-            impls = (ALL_IMPLS if comm == "horovod" else "ours,local,floor_mpi") + (",local_again" if ranks == 1 else "")
+            impls = ALL_IMPLS if comm == "horovod" else "ours,local,floor_mpi"
+            impls += ",local_again" if ranks == 1 else ""
             extra = ["--refusals"] if comm == "horovod" and ranks == 2 else []
             out[f"{ranks}/{comm}"] = runner.mpirun(ranks, "bench_torch.py", [*args, "--impls", impls, *extra],
                                                    env={"HVD_SYNCBN_COMM": comm})
