@@ -90,8 +90,8 @@ class Waits:
         return float(np.median(least.reshape(iters, per_call).sum(axis=1)) * 1e3)
 
 
-def comms(comm_module, world, rank, mpi_cls, waits):
-    return {"local": comm_module.LocalCommunicator(world, rank), "mpi": waits.timed(mpi_cls)(),
+def comms(comm_module, world, rank, waits):
+    return {"local": comm_module.LocalCommunicator(world, rank), "mpi": waits.timed(comm_module.MpiCommunicator)(),
             "horovod": "horovod"}
 
 
@@ -99,7 +99,6 @@ def bench_torch(iters, world, rank, barrier, mpi):
     import torch
     from hvd_syncbn import comm
     from hvd_syncbn.torch import SyncBatchNorm
-    from hvd_syncbn.torch.comm import MpiComm
 
     torch.set_num_threads(1)
     rows = []
@@ -107,7 +106,7 @@ def bench_torch(iters, world, rank, barrier, mpi):
         x = torch.randn(n, c, h, w, requires_grad=True)
         dy = torch.randn(n, c, h, w)
         fns, waits = [], Waits()
-        for path, kind in comms(comm, world, rank, MpiComm, waits).items():
+        for path, kind in comms(comm, world, rank, waits).items():
             layer = SyncBatchNorm(c, comm=kind, name=f"bench.{path}.{c}.{h}")
 
             def step(layer=layer):
@@ -131,7 +130,7 @@ def bench_tf(iters, world, rank, barrier, mpi):
         x = tf.random.normal([n, h, w, c])
         dy = tf.random.normal([n, h, w, c])
         fns, waits = [], Waits()
-        for path, kind in comms(comm, world, rank, comm.MpiCommunicator, waits).items():
+        for path, kind in comms(comm, world, rank, waits).items():
             layer = SyncBatchNormalization(comm=kind, name=f"bench_{path}_{c}_{h}")
             layer.build(x.shape)
 
@@ -154,12 +153,11 @@ def bench_torch_stack(iters, world, rank, barrier, mpi):
     import torch
     from hvd_syncbn import comm
     from hvd_syncbn.torch import SyncBatchNorm
-    from hvd_syncbn.torch.comm import MpiComm
 
     torch.set_num_threads(1)
     xs = [torch.randn(2, c, 4, 4, requires_grad=True) for c in RESNET50]
     fns, waits = [], Waits()
-    for path, kind in comms(comm, world, rank, MpiComm, waits).items():
+    for path, kind in comms(comm, world, rank, waits).items():
         layers = [SyncBatchNorm(c, comm=kind, name=f"stack.{path}.{i}") for i, c in enumerate(RESNET50)]
 
         def step(layers=layers):

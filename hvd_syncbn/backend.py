@@ -18,6 +18,8 @@ from __future__ import annotations
 
 from typing import Any, Callable, Protocol, Sequence, Tuple
 
+import numpy as np
+
 Tensor = Any
 AllreduceSum = Callable[[Tensor, str], Tensor]
 """``allreduce_sum(buffer, name) -> buffer summed over the ranks``, supplied by an adapter."""
@@ -32,6 +34,24 @@ class ArrayOps(Protocol):
 
     def maximum(self, x: Tensor, floor: float) -> Tensor: ...
 
+
+class NumpyOps:
+    """:class:`ArrayOps` for numpy arrays on the host."""
+
+    @staticmethod
+    def concat(parts: Sequence[np.ndarray]) -> np.ndarray:
+        return np.concatenate(parts)
+
+    @staticmethod
+    def wide(x: np.ndarray) -> np.ndarray:
+        return np.asarray(x, dtype=np.float64)
+
+    @staticmethod
+    def maximum(x: np.ndarray, floor: float) -> np.ndarray:
+        return np.maximum(x, floor)
+
+
+NUMPY_OPS = NumpyOps()
 
 MEAN_RATIO_FOR_FLOAT64 = 100.0
 

@@ -13,15 +13,6 @@ from hvd_syncbn import backend
 from oracle import EMPTY, UNEQUAL, assert_close, global_batch, shard_sizes, shard_slice
 
 
-class NumpyOps:
-    concat = staticmethod(np.concatenate)
-    maximum = staticmethod(np.maximum)
-
-    @staticmethod
-    def wide(x):
-        return np.asarray(x, dtype=np.float64)
-
-
 class ThreadRanks:
     """``world`` ranks as threads sharing a summing allreduce; records every call."""
 
@@ -86,7 +77,7 @@ def test_sync_moments_equal_moments_of_concatenated_batch(world, pattern):
 
     def step(rank, allreduce):
         n, m, v = local_moments(x[shard_slice(sizes, rank)])
-        return backend.sync_moments(NumpyOps, allreduce, "hvd_syncbn.bn.fwd", n, m, v)
+        return backend.sync_moments(backend.NUMPY_OPS, allreduce, "hvd_syncbn.bn.fwd", n, m, v)
 
     x64 = np.moveaxis(x.astype(np.float64), 1, 0).reshape(5, -1)
     for total, mean, var in ranks.run(step):  # every rank gets the same global moments
@@ -104,7 +95,7 @@ def test_variance_survives_large_offset_and_naive_float32_does_not():
     def rel_error(refine):
         def step(rank, allreduce):
             moments = local_moments(x[shard_slice(sizes, rank)], refine)
-            return backend.sync_moments(NumpyOps, allreduce, "bn", *moments)
+            return backend.sync_moments(backend.NUMPY_OPS, allreduce, "bn", *moments)
 
         _, _, var = ThreadRanks(2).run(step)[0]
         return np.max(np.abs(var - want) / want)
@@ -136,10 +127,10 @@ def test_input_grad_matches_finite_differences_across_ranks():
     def step(rank, allreduce):
         xs, dy = x[shard_slice(sizes, rank)], r[shard_slice(sizes, rank)]
         n, m, v = local_moments(xs)
-        total, mean, var = backend.sync_moments(NumpyOps, allreduce, "fwd", n, m.astype(np.float64), v)
+        total, mean, var = backend.sync_moments(backend.NUMPY_OPS, allreduce, "fwd", n, m.astype(np.float64), v)
         invstd = 1.0 / np.sqrt(var + eps)
         xhat = (xs - mean[None, :, None]) * invstd[None, :, None]
-        g, h = backend.sync_grad_sums(NumpyOps, allreduce, "bwd", dy.sum(axis=(0, 2)), (dy * xhat).sum(axis=(0, 2)))
+        g, h = backend.sync_grad_sums(backend.NUMPY_OPS, allreduce, "bwd", dy.sum(axis=(0, 2)), (dy * xhat).sum(axis=(0, 2)))
         k, s, t = backend.input_grad_coeffs(total, invstd, w, g, h)
         return k[None, :, None] * dy + s[None, :, None] * xhat + t[None, :, None]
 

@@ -51,7 +51,7 @@ def _allreduce_sum(comm: Optional[transport.Communicator], layer: str, x: tf.Ten
 
         def run(b: np.ndarray) -> np.ndarray:
             call = transport.Call(layer, direction, transport.next_step(layer, direction), channels, ndim, dtype)
-            return transport.allreduce(comm, b, call, name, tf_comm.prepend)
+            return transport.allreduce(comm, b, call, name)
 
         out = tf.numpy_function(run, [tf.cast(buf, tf.float64)], tf.float64, stateful=True, name="hvd_syncbn_allreduce")
         return tf.cast(tf.reshape(out, buf.shape), buf.dtype)
@@ -427,7 +427,7 @@ class SyncBatchNormalization(keras.layers.BatchNormalization):
             call = transport.Call(self.name, "fwd", transport.next_step(self.name, "fwd"), channels,
                                   len(inputs.shape), inputs.dtype.name)
             transport.poison(comm, np.zeros(2 * channels + 1), call, backend.collective_name(self.name, "fwd"),
-                             tf_comm.prepend, problem)
+                             problem)
         raise ValueError(problem)
 
     def call(self, inputs, training=None, mask=None):

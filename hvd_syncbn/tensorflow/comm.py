@@ -12,7 +12,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from typing import Any, List, Optional
+from typing import Any, Optional
 
 import numpy as np
 
@@ -23,10 +23,6 @@ try:
     from horovod.common import process_sets as _process_sets
 except ImportError:  # pragma: no cover - exercised only where Horovod is missing
     hvd = None
-
-def prepend(head: List[float], buf: np.ndarray) -> np.ndarray:
-    return np.concatenate([np.asarray(head, dtype=np.float64), buf])
-
 
 class _Job:
     def __init__(self, fn) -> None:

@@ -6,8 +6,9 @@ A drop-in for ``nn.BatchNorm1d/2d/3d`` whose batch statistics cover every rank.
 from __future__ import annotations
 
 import itertools
-from typing import Any, Optional, Sequence
+from typing import Any, Optional
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -21,23 +22,17 @@ _LOW_PRECISION = (torch.float16, torch.bfloat16)
 _layer_ids = itertools.count()
 
 
-class _TorchOps:
-    """The tensor ops :mod:`hvd_syncbn.backend` needs, for torch."""
-
-    @staticmethod
-    def concat(parts: Sequence[Tensor]) -> Tensor:
-        return torch.cat(list(parts))
-
-    @staticmethod
-    def wide(x: Tensor) -> Tensor:
-        return x.to(torch.float64)
-
-    @staticmethod
-    def maximum(x: Tensor, floor: float) -> Tensor:
-        return torch.clamp_min(x, floor)
+_NUMPY = {torch.float32: np.float32, torch.float64: np.float64}
 
 
-_ops = _TorchOps()
+def _host(t: Tensor) -> np.ndarray:
+    """A per-channel tensor as a numpy array (zero-copy on CPU)."""
+    return t.detach().cpu().numpy()
+
+
+def _to(arr: np.ndarray, like: Tensor, dtype: torch.dtype) -> Tensor:
+    """A numpy per-channel vector as a ``dtype`` tensor on ``like``'s device."""
+    return torch.from_numpy(np.asarray(arr, dtype=_NUMPY[dtype])).to(like.device)
 
 
 def _call(layer: "SyncBatchNorm", direction: str, x: Tensor) -> transport.Call:
@@ -48,79 +43,107 @@ def _call(layer: "SyncBatchNorm", direction: str, x: Tensor) -> transport.Call:
 
 
 def _allreduce_sum(comm: transport.Communicator, call: transport.Call):
-    def allreduce_sum(buf: Tensor, name: str) -> Tensor:
-        wide = buf.to(torch.float64)  # the identity header needs float64
-        return transport.allreduce(comm, wide, call, name, torch_comm.prepend).to(buf.dtype)
-
-    return allreduce_sum
+    return lambda buf, name: transport.allreduce(comm, buf, call, name)
 
 
-def _local_moments(x: Tensor, acc: torch.dtype) -> tuple[Tensor, Tensor]:
-    """Local per-channel mean and biased variance (zeros if empty), by the native kernel.
+def _local_moments(x: Tensor, acc: torch.dtype) -> tuple[np.ndarray, np.ndarray]:
+    """Local per-channel mean and biased variance (zeros if empty), on the host.
 
     The mean comes back in float64 where its ``acc`` rounding would cost the global
     variance accuracy (see :func:`hvd_syncbn.backend.mean_needs_float64`).
     """
     channels = x.shape[1]
     if x.numel() == 0:
-        zeros = torch.zeros(channels, dtype=acc, device=x.device)
-        return zeros, zeros
+        return np.zeros(channels), np.zeros(channels)
+    if x.dtype == acc and x.dim() > 2 and x.is_contiguous():
+        return _centred_moments(x)
     if x.dtype == acc:
         mean, var = torch.batch_norm_update_stats(x, None, None, 0.0)
     else:  # mixed precision: float32 buffers make the native kernel accumulate in float32
         scratch = torch.zeros(2, channels, dtype=acc, device=x.device)
         mean, var = torch.batch_norm_update_stats(x, scratch[0], scratch[1], 0.0)
+    mean, var = _host(mean), _host(var)
     if acc != torch.float64 and backend.mean_needs_float64(mean, var):
-        dims = [d for d in range(x.dim()) if d != 1]
-        mean = x.sum(dims, dtype=torch.float64) / (x.numel() // channels)
+        mean = _host(x.sum(_reduced_dims(x), dtype=torch.float64)) / (x.numel() // channels)
     return mean, var
 
 
+def _centred_moments(x: Tensor) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`_local_moments` of a channels-first contiguous ``(N, C, *)`` input, in two
+    passes: the mean by a (pairwise) sum, then the squares of ``x − mean``.
+
+    On CPU the native statistics kernel takes 1.8 ms on (8, 64, 56, 56) in this layout
+    (0.2 ms channels-last); these passes take 0.4 ms, with the same accuracy. The sum of
+    squares is the gradient kernel's per-channel ``Σ dy·(x − mean)·invstd`` with
+    ``dy = x − mean``, mean 0 and invstd 1: one pass, no second temporary.
+    """
+    dims, channels = _reduced_dims(x), x.shape[1]
+    rows = x.numel() // channels
+    mean = x.sum(dims) / rows
+    centred = x - _per_channel(mean, x)  # (N, C, *)
+    zeros = torch.zeros(channels, dtype=x.dtype, device=x.device)
+    ones = torch.ones(channels, dtype=x.dtype, device=x.device)
+    _, squares, _ = torch.ops.aten.native_batch_norm_backward(
+        centred, centred, None, None, None, zeros, ones, True, 0.0, [False, True, False]
+    )
+    mean, var = _host(mean), _host(squares) / rows
+    if x.dtype != torch.float64 and backend.mean_needs_float64(mean, var):
+        # centred on the float32 mean m: Σ(x − m)²/n = var + (mean − m)²
+        exact = _host(x.sum(dims, dtype=torch.float64)) / rows
+        return exact, var - (exact - mean) ** 2
+    return mean, var
+
+
+def _reduced_dims(x: Tensor) -> list:
+    """Every dim of ``(N, C, *)`` but the channels."""
+    return [0, *range(2, x.dim())]
+
+
 class _SyncBatchNormFn(torch.autograd.Function):
-    """Normalise with global statistics; backward with one packed allreduce."""
+    """Normalise with global statistics; backward with one packed allreduce.
+
+    The per-channel vectors (moments, sums, coefficients) live on the host in numpy
+    float64, where each small op costs about a microsecond rather than a framework
+    dispatch; only the passes over the data run in torch.
+    """
 
     @staticmethod
     def forward(ctx, x, weight, bias, layer, comm):  # noqa: D401 - autograd API
         acc = layer._acc_dtype(x)
+        name = backend.collective_name(layer.layer_name, "fwd")
         try:
             layer._check_input_dim(x)
             mean, var = _local_moments(x, acc)
         except Exception as e:  # noqa: BLE001 - every rank fails together, not this one alone
-            payload = torch.zeros(2 * layer.num_features + 1, dtype=torch.float64, device=x.device)
-            name = backend.collective_name(layer.layer_name, "fwd")
-            transport.poison(comm, payload, _call(layer, "fwd", x), name, torch_comm.prepend, str(e))
-        count = torch.full((1,), x.numel() // x.shape[1], dtype=torch.float64, device=x.device)
-        allreduce = _allreduce_sum(comm, _call(layer, "fwd", x))
+            transport.poison(comm, np.zeros(2 * layer.num_features + 1), _call(layer, "fwd", x), name, str(e))
+        count = np.array([x.numel() // x.shape[1]], dtype=np.float64)
         total, g_mean, g_var = backend.sync_moments(
-            _ops, allreduce, backend.collective_name(layer.layer_name, "fwd"), count, mean, var
+            backend.NUMPY_OPS, _allreduce_sum(comm, _call(layer, "fwd", x)), name, count, mean, var
         )
-        n = float(total)
+        n = float(total[0])
         backend.check_global_count(layer.layer_name, n, training=True)
         if layer.check_finite:
-            backend.check_finite(layer.layer_name, bool(torch.isfinite(g_mean).all() and torch.isfinite(g_var).all()))
-        mean, var = g_mean.to(acc), g_var.to(acc)
+            backend.check_finite(layer.layer_name, bool(np.isfinite(g_mean).all() and np.isfinite(g_var).all()))
         momentum = layer._momentum_now(n)
         if momentum is not None:
             with torch.no_grad():
-                layer.running_mean.copy_(backend.ema(layer.running_mean, mean, 1 - momentum))
-                layer.running_var.copy_(
-                    backend.ema(layer.running_var, backend.unbiased(g_var, total).to(acc), 1 - momentum)
-                )
+                for buf, new in ((layer.running_mean, g_mean), (layer.running_var, backend.unbiased(g_var, total))):
+                    buf.copy_(torch.from_numpy(backend.ema(_host(buf), new, 1 - momentum)))
+        invstd = 1.0 / np.sqrt(g_var + layer.eps)
+        mean_t, var_t = _to(g_mean, x, acc), _to(g_var, x, acc)
         # The native inference kernel normalises with the global statistics.
-        y = torch.batch_norm(x, weight, bias, mean, var, False, 0.0, layer.eps, torch.backends.cudnn.enabled)
-        ctx.save_for_backward(x, weight, mean, var, total.to(acc))
-        ctx.layer, ctx.comm = layer, comm
+        y = torch.batch_norm(x, weight, bias, mean_t, var_t, False, 0.0, layer.eps, torch.backends.cudnn.enabled)
+        ctx.save_for_backward(x, weight, mean_t, var_t, _to(invstd, x, acc))
+        ctx.layer, ctx.comm, ctx.total, ctx.invstd = layer, comm, total, invstd
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        x, weight, mean, var, total = ctx.saved_tensors
+        x, weight, mean, var, invstd = ctx.saved_tensors
         layer = ctx.layer
-        invstd = torch.rsqrt(var + layer.eps)
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         if x.numel() == 0:
-            channels = x.shape[1]
-            sum_dy_xhat = sum_dy = torch.zeros(channels, dtype=mean.dtype, device=x.device)
+            sum_dy_xhat = sum_dy = torch.zeros(x.shape[1], dtype=mean.dtype, device=x.device)
         else:
             _, sum_dy_xhat, sum_dy = torch.ops.aten.native_batch_norm_backward(
                 dy, x, None, None, None, mean, invstd, True, layer.eps, [False, True, True]
@@ -129,12 +152,15 @@ class _SyncBatchNormFn(torch.autograd.Function):
         if need_x:
             allreduce = _allreduce_sum(ctx.comm, _call(layer, "bwd", x))
             g_dy, g_dy_xhat = backend.sync_grad_sums(
-                _ops, allreduce, backend.collective_name(layer.layer_name, "bwd"), sum_dy, sum_dy_xhat
+                backend.NUMPY_OPS, allreduce, backend.collective_name(layer.layer_name, "bwd"),
+                _host(sum_dy), _host(sum_dy_xhat),
             )
-            k, s, t = backend.input_grad_coeffs(total, invstd, weight, g_dy, g_dy_xhat)
+            w = None if weight is None else _host(weight)
+            k, s, t = backend.input_grad_coeffs(ctx.total, ctx.invstd, w, g_dy, g_dy_xhat)
             # s·x̂ + t through the native kernel (it normalises x with mean/var), then + k·dy.
-            dx = torch.batch_norm(x, s, t, mean, var, False, 0.0, layer.eps, torch.backends.cudnn.enabled)
-            dx = dx.addcmul_(dy, _per_channel(k, x))
+            dx = torch.batch_norm(x, _to(s, x, mean.dtype), _to(t, x, mean.dtype), mean, var, False, 0.0,
+                                  layer.eps, torch.backends.cudnn.enabled)
+            dx = dx.addcmul_(dy, _per_channel(_to(k, x, mean.dtype), x))
         dw = sum_dy_xhat.to(weight.dtype) if need_w else None
         db = sum_dy.to(weight.dtype) if need_b else None
         return dx, dw, db, None, None

@@ -11,7 +11,6 @@ from __future__ import annotations
 import os
 from typing import Any, Optional
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -22,21 +21,10 @@ try:
 except ImportError:  # pragma: no cover - exercised only where Horovod is missing
     hvd = None
 
-def prepend(head: list, buf: torch.Tensor) -> torch.Tensor:
-    return torch.cat([torch.tensor(head, dtype=buf.dtype, device=buf.device), buf])
 
+class HorovodComm(base.Communicator):
+    """Horovod's allreduce, in place on a CPU tensor over the numpy buffer."""
 
-class _TorchBuffers:
-    """Buffers are torch tensors; the diagnosis table crosses as numpy."""
-
-    def to_numpy(self, buf):
-        return buf.cpu().numpy()
-
-    def from_numpy(self, arr, like):
-        return torch.from_numpy(arr)
-
-
-class HorovodComm(_TorchBuffers, base.Communicator):
     kind = "horovod"
 
     def __init__(self, process_set: Any) -> None:
@@ -44,57 +32,45 @@ class HorovodComm(_TorchBuffers, base.Communicator):
         self.rank, self.size = process_set.rank(), process_set.size()
 
     def start(self, buf, name):
-        return hvd.allreduce_async_(buf, op=hvd.Sum, name=name, process_set=self.ps)
+        return hvd.allreduce_async_(torch.from_numpy(buf), op=hvd.Sum, name=name, process_set=self.ps)
 
     def done(self, handle):
         return hvd.poll(handle)
 
     def result(self, handle):
-        return hvd.synchronize(handle)
+        return hvd.synchronize(handle).numpy()
 
     def abort(self):
         hvd.shutdown()
 
 
-class MpiComm(base.MpiCommunicator):
-    """mpi4py on CPU tensors' memory (zero-copy); device tensors are staged through the host."""
-
-    def start(self, buf, name):
-        host = buf if buf.device.type == "cpu" else buf.cpu()
-        arr, req = super().start(host.contiguous(), name)
-        return arr, req, buf
-
-    def result(self, handle):
-        arr, _, like = handle
-        return torch.from_numpy(arr).to(like.device)
-
-    def to_numpy(self, buf):
-        return buf.numpy() if isinstance(buf, torch.Tensor) else np.asarray(buf)
-
-
-class TorchDistComm(_TorchBuffers, base.Communicator):
+class TorchDistComm(base.Communicator):
     """``torch.distributed`` on ``group`` (``None``: the default group), with a second
-    group of the same ranks for diagnostics (``diagnostics=True``: this is that one)."""
+    group of the same ranks for diagnostics (``diagnostics=True``: this is that one).
+    Buffers cross on the device the group's backend works on (CUDA for NCCL)."""
 
     kind = "torch"
 
     def __init__(self, group: Any, diagnostics: bool = False) -> None:
         self.group = group
         self.rank, self.size = dist.get_rank(group), dist.get_world_size(group)
+        nccl = "nccl" in str(dist.get_backend(group)).lower()
+        self.device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
         self._side: base.Communicator = self
         if not diagnostics:
             ranks = dist.get_process_group_ranks(group or dist.group.WORLD)
             self._side = TorchDistComm(dist.new_group(ranks, use_local_synchronization=True), diagnostics=True)
 
     def start(self, buf, name):
-        return buf, dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+        tensor = torch.from_numpy(buf).to(self.device)
+        return tensor, dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
 
     def done(self, handle):
         return handle[1].is_completed()
 
     def result(self, handle):
         handle[1].wait()
-        return handle[0]
+        return handle[0].cpu().numpy()
 
     def side(self):
         return self._side
@@ -141,7 +117,7 @@ def _build(want: str, process_set: Any, layer: str, hvd_on: bool) -> base.Commun
         return HorovodComm(process_set if process_set is not None else hvd.global_process_set)
     if want == "mpi":
         ranks = None if process_set is None else list(process_set.ranks)
-        return base.mpi_communicator(layer, (hvd.size(), hvd.rank()) if hvd_on else None, ranks, MpiComm)
+        return base.mpi_communicator(layer, (hvd.size(), hvd.rank()) if hvd_on else None, ranks)
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError(f"{layer}: comm='torch' needs torch.distributed.init_process_group() first")
     if process_set is not None and not isinstance(process_set, dist.ProcessGroup):
