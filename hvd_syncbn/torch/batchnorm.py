@@ -82,7 +82,7 @@ def _squares(x: Tensor, mean: Tensor) -> Tensor:
     """Per-channel ``Σ (x − mean)²`` in ``mean``'s dtype: the gradient kernel's
     ``Σ dy·(x − m)·invstd`` with ``dy = x = x − mean``, m 0 and invstd 1, one pass over
     the one temporary."""
-    centred = x - mean.view((1, -1) + (1,) * (x.dim() - 2))  # (N, C, *), mean's dtype
+    centred = x - _per_channel(mean, x)  # (N, C, *), mean's dtype
     zeros, ones = torch.zeros_like(mean), torch.ones_like(mean)
     _, squares, _ = torch.ops.aten.native_batch_norm_backward(
         centred, centred, None, None, None, zeros, ones, True, 0.0, [False, True, False]
@@ -156,7 +156,7 @@ class _SyncBatchNormFn(torch.autograd.Function):
             # s·x̂ + t through the native kernel (it normalises x with mean/var), then + k·dy.
             dx = torch.batch_norm(x, _to(s, x, mean.dtype), _to(t, x, mean.dtype), mean, var, False, 0.0,
                                   layer.eps, torch.backends.cudnn.enabled)
-            dx = dx.addcmul_(dy, _per_channel(_to(k, x, mean.dtype), x))
+            dx = dx.addcmul_(dy, _per_channel(_to(k, x, mean.dtype).to(x.dtype), x))
         dw = sum_dy_xhat.to(weight.dtype) if need_w else None
         db = sum_dy.to(weight.dtype) if need_b else None
         return dx, dw, db, None, None
@@ -164,7 +164,7 @@ class _SyncBatchNormFn(torch.autograd.Function):
 
 def _per_channel(v: Tensor, like: Tensor) -> Tensor:
     """``(C,)`` viewed to broadcast against ``(N, C, *)``."""
-    return v.to(like.dtype).view((1, -1) + (1,) * (like.dim() - 2))
+    return v.view((1, -1) + (1,) * (like.dim() - 2))
 
 
 class SyncBatchNorm(_BatchNorm):
