@@ -112,7 +112,7 @@ class _SyncBatchNormFn(torch.autograd.Function):
             mean, var = _local_moments(x, acc)
         except Exception as e:  # noqa: BLE001 - every rank fails together, not this one alone
             transport.poison(comm, np.zeros(2 * layer.num_features + 1), _call(layer, "fwd", x), name, str(e))
-        count = np.array([x.numel() // x.shape[1]], dtype=np.float64)
+        count = np.array([_rows(x)], dtype=np.float64)
         total, g_mean, g_var = backend.sync_moments(
             backend.NUMPY_OPS, _allreduce_sum(comm, _call(layer, "fwd", x)), name, count, mean, var
         )
@@ -268,22 +268,26 @@ class SyncBatchNorm(_BatchNorm):
         return self.momentum if self.momentum is not None else 1.0 / float(self.num_batches_tracked)
 
     def forward(self, input: Tensor) -> Tensor:
-        use_batch_stats = self.training or not self.track_running_stats
-        comm = self._comm() if use_batch_stats else None
-        if comm is None:
+        comm = self._comm() if self.training or not self.track_running_stats else None
+        if comm is not None:
+            return _SyncBatchNormFn.apply(input, self.weight, self.bias, self, comm)
+        if self.training and (self.check_finite or _rows(input) < 2):
+            # alone as across ranks: a lone row raises, an empty batch counts nothing
             self._check_input_dim(input)
-            if self.training:  # as across ranks: a lone row raises, an empty batch counts nothing
-                rows = input.numel() // input.shape[1] if input.shape[1] else 0
-                backend.check_global_count(self.layer_name, rows, training=True)
-                if self.check_finite:
-                    backend.check_finite(self.layer_name, bool(torch.isfinite(input).all()))
-                if rows == 0:
-                    return F.batch_norm(input, None, None, self.weight, self.bias, True, 0.0, self.eps)
-            return super().forward(input)  # plain BN: the native fast path
-        return _SyncBatchNormFn.apply(input, self.weight, self.bias, self, comm)
+            backend.check_global_count(self.layer_name, _rows(input), training=True)
+            if self.check_finite:
+                backend.check_finite(self.layer_name, bool(torch.isfinite(input).all()))
+            if _rows(input) == 0:
+                return F.batch_norm(input, None, None, self.weight, self.bias, True, 0.0, self.eps)
+        return super().forward(input)  # plain BN: the native fast path; it checks the input
 
     def extra_repr(self) -> str:
         return super().extra_repr() + f", name={self.layer_name!r}"
+
+
+def _rows(x: Tensor) -> int:
+    """Rows per channel of ``(N, C, *)`` (0 for an empty or malformed input)."""
+    return x.numel() // x.shape[1] if x.dim() > 1 and x.shape[1] else 0
 
 
 def _check_args(num_features: Any, eps: Any, momentum: Any) -> None:
