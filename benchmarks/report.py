@@ -407,7 +407,10 @@ def write_report(res: dict, out: Path) -> Path:
              f"{res['conf']['e2e_iters']}). Every ratio divides two numbers measured in this run; a ratio "
              "between columns of different jobs (e.g. ours[mpi] vs the hand-written layer) crosses jobs. "
              "The machine may be shared: expect ±10–30% between runs. Every mpirun job runs with Open MPI's "
-             "`mpi_yield_when_idle=1` (a waiting rank yields its core instead of spinning).", "", "## Summary: ratios", ""]
+             "`mpi_yield_when_idle=1` (a waiting rank yields its core instead of spinning)"
+             + (f" and with `GLIBC_TUNABLES={res['conf']['malloc']}`: glibc's malloc keeps freed memory, "
+                "so activation-sized allocations do not fault their pages in again (`benchmarks/jobs.py`)"
+                if res["conf"].get("malloc") else "") + ".", "", "## Summary: ratios", ""]
     for ranks, vals in summary.items():
         f = lambda i: " ".join(f"{v[i]:.2f}" for v in vals)  # noqa: E731
         aa = f"; A/A control, a second nn.BatchNorm2d / local [horovod] {f(3)}, [mpi] {f(4)}" if ranks == 1 else ""

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import bench_tf
 from common import QUICK_SHAPES, SHAPES
-from jobs import ROOT, Runner, build_shim
+from jobs import MALLOC, ROOT, Runner, build_shim
 
 COMMS = ("horovod", "mpi")
 ALL_IMPLS = "ours,local,floor_hvd,floor_mpi,hand"
@@ -117,7 +117,7 @@ def main() -> None:
         "layer_iters": 3 if q else 30, "tf_iters": 2 if q else 20, "e2e_iters": 2 if q else 15,
         "ab_iters": 5 if q else 40, "count_steps": 1 if q else 2,
         "ab_sizes": [1, 512, 32768] if q else [1, 8, 64, 512, 4096, 32768, 262144],
-        "e2e_nets": "unet_demo" if q else "resnet18ish,unet_demo", "ranks": [1, 2, 4],
+        "e2e_nets": "unet_demo" if q else "resnet18ish,unet_demo", "ranks": [1, 2, 4], "malloc": MALLOC,
     }
     args.out.mkdir(parents=True, exist_ok=True)
     log = args.out / "jobs.log"
