@@ -54,8 +54,8 @@ def _local_moments(x: Tensor, acc: torch.dtype) -> tuple[np.ndarray, np.ndarray]
     the sum of squares of ``x − mean``: on CPU the native statistics kernel takes about
     1.15 ns per value in this layout (1.8 ms on (8, 64, 56, 56); 0.2 ms channels-last),
     these passes 0.35 ns plus 17 µs for their extra ops, with the same accuracy. Smaller
-    inputs, other layouts and mixed precision use the native kernel. Where
-    the ``acc`` mean's rounding would cost the global variance accuracy (see
+    inputs, other layouts and mixed precision use the native kernel. Where the ``acc``
+    mean's rounding would cost the global variance accuracy (see
     :func:`hvd_syncbn.backend.mean_needs_float64`) both are recomputed in float64.
     """
     dims, channels = _reduced_dims(x), x.shape[1]
