@@ -2,11 +2,11 @@
 
 A :class:`Communicator` sums a float64 numpy buffer over the ranks asynchronously
 (``start``, ``done``, ``result``); the adapters keep the per-channel statistics on the
-host in numpy, where a small op costs about a microsecond. Three transports exist: Horovod (the default; its background
-loop handles a collective on its next cycle, ``HOROVOD_CYCLE_TIME``), MPI through mpi4py
-(point-to-point recursive doubling straight on the buffer: microseconds for a few KB)
-and, for PyTorch, ``torch.distributed``. The adapters build them; this module is
-framework-free.
+host in numpy, where a small op costs about a microsecond. Three transports exist:
+Horovod (the default; its background loop handles a collective on its next cycle,
+``HOROVOD_CYCLE_TIME``), MPI through mpi4py (point-to-point recursive doubling straight
+on the buffer: microseconds for a few KB) and, for PyTorch, ``torch.distributed``. The
+adapters build them; this module is framework-free.
 
 Every buffer starts with a two-value identity header ``[h, h²]``, ``h`` a hash of the
 layer, direction, step, channel count, input rank and dtype. After the sum every rank
@@ -239,8 +239,9 @@ def prepend(head: List[float], payload: np.ndarray) -> np.ndarray:
 
 def allreduce(comm: Communicator, payload: np.ndarray, call: Call, name: str) -> np.ndarray:
     """Sum the float64 ``payload`` over ``comm``'s ranks behind the identity header;
-    returns the sum without the header. Raises :class:`SyncBatchNormError` on every rank it can reach
-    if the ranks are not in the same collective or one does not answer in time."""
+    returns the sum without the header. Raises :class:`SyncBatchNormError` on every rank
+    it can reach if the ranks are not in the same collective or one does not answer in
+    time."""
     call.rank = comm.rank
     head = header(call, comm.size)
     timeout, since = get_timeout(), time.monotonic()
@@ -286,7 +287,7 @@ def _exchange(comm: Communicator, call: Call, deadline: float) -> Optional[List[
         handle = comm.start(rows.reshape(-1), "hvd_syncbn.diagnose")
         if not _wait(comm, handle, deadline):
             return None
-        table = np.asarray(comm.result(handle)).reshape(comm.size, RECORD_BYTES)
+        table = comm.result(handle).reshape(comm.size, RECORD_BYTES)
     except Exception:  # noqa: BLE001 - no answer is the answer
         return None
     calls = []
@@ -448,7 +449,8 @@ class _Reduction:
 
 
 def mpi_communicator(layer: str, horovod: Optional[Tuple[int, int]], ranks: Optional[List[int]]) -> MpiCommunicator:
-    """``MpiCommunicator(ranks)`` if the MPI transport is usable here, else a ``RuntimeError`` saying why."""
+    """``MpiCommunicator(ranks)`` if the MPI transport is usable here, else a
+    ``RuntimeError`` saying why."""
     why = mpi_usable(*(horovod or (None, None)))
     if why:
         raise RuntimeError(f"{layer}: comm='mpi' is not usable here: {why}")

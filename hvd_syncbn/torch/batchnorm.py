@@ -270,13 +270,14 @@ class SyncBatchNorm(_BatchNorm):
         comm = self._comm() if self.training or not self.track_running_stats else None
         if comm is not None:
             return _SyncBatchNormFn.apply(input, self.weight, self.bias, self, comm)
-        if self.training and (self.check_finite or _rows(input) < 2):
+        rows = _rows(input) if self.training else None
+        if rows is not None and (self.check_finite or rows < 2):
             # alone as across ranks: a lone row raises, an empty batch counts nothing
             self._check_input_dim(input)
-            backend.check_global_count(self.layer_name, _rows(input), training=True)
+            backend.check_global_count(self.layer_name, rows, training=True)
             if self.check_finite:
                 backend.check_finite(self.layer_name, bool(torch.isfinite(input).all()))
-            if _rows(input) == 0:
+            if rows == 0:
                 return F.batch_norm(input, None, None, self.weight, self.bias, True, 0.0, self.eps)
         return super().forward(input)  # plain BN: the native fast path; it checks the input
 
