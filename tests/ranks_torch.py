@@ -16,7 +16,8 @@ import torch
 from torch import nn
 
 from hvd_syncbn.torch import SyncBatchNorm, convert_sync_batchnorm, revert_sync_batchnorm
-from hvd_syncbn.torch.batchnorm import _CENTRED_FROM, _local_moments
+from hvd_syncbn.torch import batchnorm
+from hvd_syncbn.torch.batchnorm import _CENTRED_FROM, _local_moments, _shifted_sums
 from oracle import EMPTY, UNEQUAL, assert_close, global_batch, shard_sizes, shard_slice
 
 hvd = pytest.importorskip("horovod.torch")
@@ -40,17 +41,18 @@ def allreduce_sum(t: torch.Tensor, name: str, ps=None) -> torch.Tensor:
     return hvd.allreduce(t.detach().contiguous(), op=hvd.Sum, name=f"test.{name}", process_set=ps)
 
 
-def run_steps(sync, plain, tail, pattern, steps=3, seed=0, channels_last=False, ps=None, **tol):
+def run_steps(sync, plain, tail, pattern, steps=3, seed=0, channels_last=False, ps=None, drift=1.0, **tol):
     """Train ``sync`` on this rank's shards and ``plain`` on the whole batches; compare.
 
     ``ps``: the process set the layer synchronises within (default: all ranks).
+    ``drift``: how far the batches' mean moves per step, in standard deviations.
     """
     ps = ps or hvd.global_process_set
     rank = ps.rank()
     sizes = shard_sizes(pattern, ps.size())
     mine = shard_slice(sizes, rank)
     for step in range(steps):
-        x_all = torch.from_numpy(global_batch(seed + step, sum(sizes), tail, offset=step))
+        x_all = torch.from_numpy(global_batch(seed + step, sum(sizes), tail, offset=drift * step))
         r_all = torch.from_numpy(global_batch(100 + seed + step, sum(sizes), tail))
         if channels_last:
             x_all = x_all.to(memory_format=torch.channels_last)
@@ -109,6 +111,10 @@ CASES = {
     "momentum-none": dict(tail=(4, 5, 5), pattern=EMPTY, kwargs=dict(momentum=None)),
     "no-running-stats": dict(tail=(4, 3, 3), pattern=UNEQUAL, kwargs=dict(track_running_stats=False)),
     "momentum-0.5-eps-1e-3": dict(tail=(4, 3, 3), pattern=UNEQUAL, kwargs=dict(momentum=0.5, eps=1e-3)),
+    # Enough values per rank for the centred moments; the mean moves little (the last
+    # global mean centres the next step) or far (a fresh mean first).
+    "2d-large-steady": dict(tail=(4, 64, 64), pattern=UNEQUAL, drift=0.1),
+    "2d-large-drifting": dict(tail=(4, 64, 64), pattern=UNEQUAL, drift=5.0),
 }
 
 
@@ -116,7 +122,8 @@ CASES = {
 def test_matches_plain_bn_on_global_batch(case):
     c = CASES[case]
     sync, plain = make_pair(c["tail"][0], len(c["tail"]) + 1, **c.get("kwargs", {}))
-    run_steps(sync, plain, c["tail"], c["pattern"], channels_last=c.get("channels_last", False))
+    run_steps(sync, plain, c["tail"], c["pattern"], channels_last=c.get("channels_last", False),
+              drift=c.get("drift", 1.0))
 
 
 def test_bf16_autocast_keeps_float32_statistics():
@@ -147,20 +154,29 @@ def test_variance_survives_large_offset():
 
 @pytest.mark.parametrize("layout", ["nchw", "nchw_small", "channels_last", "ncl", "ncdhw", "strided", "nc"])
 @pytest.mark.parametrize("offset, scale", [(0.0, 1.0), (3.0, 0.5), (1e4, 0.1)])
-def test_local_moments_in_every_layout(layout, offset, scale):
-    """Each rank's local moments (two passes for large contiguous channels-first input,
-    the native kernel otherwise): mean and biased variance against float64 numpy."""
+@pytest.mark.parametrize("guess", [None, 0.3, 3.0])
+def test_local_moments_in_every_layout(layout, offset, scale, guess, monkeypatch):
+    """Each rank's local moments (centred sums for large contiguous channels-first input,
+    the native kernel otherwise): mean and biased variance against float64 numpy.
+
+    ``guess``: a mean guess that many standard deviations off (``None``: no guess); the
+    centred sums use it when within one, else take the mean first (one more pass)."""
     rng = np.random.default_rng(5)
     shape = {"nc": (40, 6), "nchw_small": (3, 6, 9, 7), "ncl": (8, 6, 700), "ncdhw": (2, 6, 16, 16, 16)}.get(
         layout, (4, 6, 40, 40))
-    assert (np.prod(shape) >= _CENTRED_FROM) == (layout in ("nchw", "ncl", "ncdhw", "channels_last", "strided"))
+    centred = layout in ("nchw", "ncl", "ncdhw")
+    assert (np.prod(shape) >= _CENTRED_FROM) == (centred or layout in ("channels_last", "strided"))
     x = torch.from_numpy((offset + scale * rng.standard_normal(shape)).astype(np.float32))
     if layout == "channels_last":
         x = x.contiguous(memory_format=torch.channels_last)
     if layout == "strided":
         x = x[:, :, ::2]
     ref = x.double().transpose(0, 1).reshape(6, -1).numpy()
-    mean, var = _local_moments(x, torch.float32)
+    shift = None if guess is None else torch.from_numpy((ref.mean(axis=1) + guess * scale).astype(np.float32))
+    passes = []
+    monkeypatch.setattr(batchnorm, "_shifted_sums", lambda *a: passes.append(1) or _shifted_sums(*a))
+    mean, var = _local_moments(x, torch.float32, shift)
+    assert len(passes) == (0 if not centred else 2 if guess == 3.0 else 1), "passes of centred sums"
     assert_close(mean, ref.mean(axis=1), f"{layout} mean", rtol=1e-5, atol=1e-6 * scale)
     assert_close(var, ref.var(axis=1), f"{layout} variance", rtol=1e-5, atol=0.0)
 

@@ -47,30 +47,42 @@ def _allreduce_sum(comm: transport.Communicator, call: transport.Call):
     return lambda buf, name: transport.allreduce(comm, buf, call, name)
 
 
-def _local_moments(x: Tensor, acc: torch.dtype) -> tuple[np.ndarray, np.ndarray]:
+def _local_moments(x: Tensor, acc: torch.dtype, shift: Optional[Tensor] = None) -> tuple[np.ndarray, np.ndarray]:
     """Local per-channel mean and biased variance (zeros if empty), on the host.
 
-    Channels-first contiguous input takes two passes, a (pairwise) sum for the mean and
-    the sum of squares of ``x − mean``: on CPU the native statistics kernel takes about
-    1.15 ns per value in this layout (1.8 ms on (8, 64, 56, 56); 0.2 ms channels-last),
-    these passes 0.35 ns plus 17 µs for their extra ops, with the same accuracy. Smaller
-    inputs, other layouts and mixed precision use the native kernel. Where the ``acc``
-    mean's rounding would cost the global variance accuracy (see
-    :func:`hvd_syncbn.backend.mean_needs_float64`) both are recomputed in float64.
+    Channels-first contiguous input takes the sums of ``c = x − shift`` and of ``c²``
+    (:func:`_shifted_sums`): on CPU the native statistics kernel takes about 1.15 ns per
+    value in this layout (1.8 ms on (8, 64, 56, 56); 0.2 ms channels-last). ``shift`` is
+    a per-channel guess of the mean (the layer passes its previous global mean): two
+    passes when it is within one standard deviation of this batch's mean, where
+    ``Σc²/n − (Σc/n)²`` loses at most a factor of 2 to cancellation; otherwise, or with
+    no guess, a (pairwise) sum for the mean first, three passes. Both keep the native
+    kernel's accuracy (about 1e-7 relative). Smaller inputs, other layouts and mixed
+    precision use the native kernel. Where the ``acc`` mean's rounding would cost the
+    global variance accuracy (see :func:`hvd_syncbn.backend.mean_needs_float64`) both
+    are recomputed in float64.
     """
     dims, channels = _reduced_dims(x), x.shape[1]
     if x.numel() == 0:
         return np.zeros(channels), np.zeros(channels)
     rows = x.numel() // channels
     if x.dtype == acc and x.dim() > 2 and x.numel() >= _CENTRED_FROM and x.is_contiguous():
-        mean = x.sum(dims) / rows
-        var = _squares(x, mean) / rows
-    elif x.dtype == acc:
-        mean, var = torch.batch_norm_update_stats(x, None, None, 0.0)
-    else:  # mixed precision: float32 buffers make the native kernel accumulate in float32
-        scratch = torch.zeros(2, channels, dtype=acc, device=x.device)
-        mean, var = torch.batch_norm_update_stats(x, scratch[0], scratch[1], 0.0)
-    mean_h, var_h = _host(mean), _host(var)
+        mean_h = var_h = None
+        if shift is not None:
+            total, squares = _shifted_sums(x, shift)
+            offset, mean_square = total / rows, squares / rows
+            if (offset * offset <= 0.5 * mean_square).all():  # |mean − shift| <= std, and no NaN
+                mean_h, var_h = _host(shift) + offset, mean_square - offset * offset
+        if mean_h is None:
+            mean = x.sum(dims).div_(rows)
+            mean_h, var_h = _host(mean), _shifted_sums(x, mean)[1] / rows
+    else:
+        if x.dtype == acc:
+            mean, var = torch.batch_norm_update_stats(x, None, None, 0.0)
+        else:  # mixed precision: float32 buffers make the native kernel accumulate in float32
+            scratch = torch.zeros(2, channels, dtype=acc, device=x.device)
+            mean, var = torch.batch_norm_update_stats(x, scratch[0], scratch[1], 0.0)
+        mean_h, var_h = _host(mean), _host(var)
     if acc != torch.float64 and backend.mean_needs_float64(mean_h, var_h):  # rare: two float64 passes
         exact = x.sum(dims, dtype=torch.float64) / rows
         centred = x.to(torch.float64) - _per_channel(exact, x)  # (N, C, *)
@@ -78,15 +90,16 @@ def _local_moments(x: Tensor, acc: torch.dtype) -> tuple[np.ndarray, np.ndarray]
     return mean_h, var_h
 
 
-def _squares(x: Tensor, mean: Tensor) -> Tensor:
-    """Per-channel ``Σ (x − mean)²``: the gradient kernel's ``Σ dy·(x − m)·invstd`` with
-    ``dy = x = x − mean``, m 0 and invstd 1, one pass over the one temporary."""
-    centred = x - _per_channel(mean, x)  # (N, C, *)
-    zeros, ones = torch.zeros_like(mean), torch.ones_like(mean)
-    _, squares, _ = torch.ops.aten.native_batch_norm_backward(
-        centred, centred, None, None, None, zeros, ones, True, 0.0, [False, True, False]
+def _shifted_sums(x: Tensor, shift: Tensor) -> tuple[np.ndarray, np.ndarray]:
+    """Per-channel ``Σc`` and ``Σc²`` of ``c = x − shift``, in float64 on the host: one
+    pass for ``c``, one for both sums, by the gradient kernel's ``Σdy`` and
+    ``Σdy·(x − m)·invstd`` with ``dy = x = c``, m 0 and invstd 1."""
+    centred = x - _per_channel(shift, x)  # (N, C, *)
+    zeros, ones = torch.zeros_like(shift), torch.ones_like(shift)
+    _, squares, total = torch.ops.aten.native_batch_norm_backward(
+        centred, centred, None, None, None, zeros, ones, True, 0.0, [False, True, True]
     )
-    return squares
+    return _host(total).astype(np.float64), _host(squares).astype(np.float64)
 
 
 def _reduced_dims(x: Tensor) -> list:
@@ -108,7 +121,9 @@ class _SyncBatchNormFn(torch.autograd.Function):
         name = backend.collective_name(layer.layer_name, "fwd")
         try:
             layer._check_input_dim(x)
-            mean, var = _local_moments(x, acc)
+            guess = layer._mean_guess  # the previous global mean, to centre on
+            usable = guess is not None and guess.dtype == acc and guess.device == x.device
+            mean, var = _local_moments(x, acc, guess if usable else None)
         except Exception as e:  # noqa: BLE001 - every rank fails together, not this one alone
             transport.poison(comm, np.zeros(2 * layer.num_features + 1), _call(layer, "fwd", x), name, str(e))
         count = np.array([_rows(x)], dtype=np.float64)
@@ -126,6 +141,7 @@ class _SyncBatchNormFn(torch.autograd.Function):
                     buf.copy_(torch.from_numpy(backend.ema(_host(buf), new, 1 - momentum)))
         invstd = 1.0 / np.sqrt(g_var + layer.eps)
         mean_t, var_t = _to(g_mean, x, acc), _to(g_var, x, acc)
+        layer._mean_guess = mean_t if np.isfinite(g_mean).all() else None
         # The native inference kernel normalises with the global statistics.
         y = torch.batch_norm(x, weight, bias, mean_t, var_t, False, 0.0, layer.eps, torch.backends.cudnn.enabled)
         ctx.save_for_backward(x, weight, mean_t, var_t, _to(invstd, x, acc))
@@ -240,6 +256,7 @@ class SyncBatchNorm(_BatchNorm):
         self.layer_name = name or f"SyncBatchNorm_{next(_layer_ids)}"
         self.comm = comm
         self.check_finite = bool(check_finite)
+        self._mean_guess: Optional[Tensor] = None  # last global batch mean (see _local_moments)
 
     def _check_input_dim(self, input: Tensor) -> None:
         backend.check_input(
