@@ -110,7 +110,7 @@ def torch_section(res: dict) -> tuple:
             continue
         note = " — **oversubscribed: 4 ranks share 2 cores**" if ranks > (res["cores"] or 1) else ""
         head = ["shape (per rank)", "ours / local", "ours / (local + floor)", "ours / hand-written",
-                "ours[mpi] / local", "ours[mpi] / (local + floor_mpi)",
+                "ours[mpi] / local", "ours[mpi] / (local + floor_hvd)", "ours[mpi] / (local + floor_mpi)",
                 "ours ms", "local ms", "floor_hvd ms", "hand ms", "ours[mpi] ms", "local ms (mpi job)", "floor_mpi ms"]
         if ranks == 1:
             head += ["A/A: local again / local", "A/A [mpi job]"]
@@ -122,7 +122,8 @@ def torch_section(res: dict) -> tuple:
             key = json.dumps(key)
             o, l_, f, hd = (med(h, key, i) for i in ("ours", "local", "floor_hvd", "hand"))
             om, lm, fm = (med(m, key, i) for i in ("ours", "local", "floor_mpi"))
-            row = [shape_label(key), ratio(o, l_), ratio(o, l_ + f), ratio(o, hd), ratio(om, lm), ratio(om, lm + fm),
+            row = [shape_label(key), ratio(o, l_), ratio(o, l_ + f), ratio(o, hd), ratio(om, lm), ratio(om, lm + f),
+                   ratio(om, lm + fm),
                    ms(o), ms(l_), ms(f), ms(hd), ms(om), ms(lm), ms(fm)]
             if ranks == 1:
                 row += [ratio(med(h, key, "local_again"), l_), ratio(med(m, key, "local_again"), lm)]
@@ -131,7 +132,8 @@ def torch_section(res: dict) -> tuple:
             rows.append(row)
             summary.setdefault(ranks, []).append((o / l_ if l_ else math.nan, om / lm if lm else math.nan,
                                                   o / hd if hd else math.nan, med(h, key, "local_again") / l_,
-                                                  med(m, key, "local_again") / lm))
+                                                  med(m, key, "local_again") / lm, o / (l_ + f), om / (lm + f),
+                                                  om / (lm + fm)))
         out.append(f"### {ranks} rank{'s' * (ranks > 1)}{note}\n\n{table(head, rows)}\n")
     return "\n".join(out), summary
 
@@ -414,8 +416,10 @@ def write_report(res: dict, out: Path) -> Path:
     for ranks, vals in summary.items():
         f = lambda i: " ".join(f"{v[i]:.2f}" for v in vals)  # noqa: E731
         aa = f"; A/A control, a second nn.BatchNorm2d / local [horovod] {f(3)}, [mpi] {f(4)}" if ranks == 1 else ""
+        floors = (f"; ours/(local + floor_hvd) [horovod] {f(5)}, [mpi] {f(6)}; ours[mpi]/(local + floor_mpi) "
+                  f"{f(7)}") if ranks > 1 else ""
         lines.append(f"- PyTorch per layer, {ranks} rank(s), shapes in order: ours/local [horovod] {f(0)}; "
-                     f"ours/local [mpi] {f(1)}; ours/hand-written {f(2)}{aa}.")
+                     f"ours/local [mpi] {f(1)}; ours/hand-written {f(2)}{floors}{aa}.")
     e = res["e2e"]
     for comm in ("horovod", "mpi"):
         for net, r in e.get(comm, {}).get("nets", {}).items():
@@ -456,7 +460,8 @@ def write_report(res: dict, out: Path) -> Path:
               "ours = `hvd_syncbn.torch.SyncBatchNorm`; local = `nn.BatchNorm2d` on the rank's rows; floor = two "
               "raw allreduces of float64 2C+3 and 2C+2 values (Horovod: `floor_hvd`, mpi4py: `floor_mpi`); "
               "hand-written = `bench_torch.HandSyncBN` (autograd through `hvd.allreduce`, float32 E[x²]−E[x]²). "
-              "[mpi] columns come from a second job with `HVD_SYNCBN_COMM=mpi`, with its own local baseline.", "",
+              "[mpi] columns come from a second job with `HVD_SYNCBN_COMM=mpi`, with its own local baseline; "
+              "ours[mpi] / (local + floor_hvd) takes floor_hvd from the Horovod job.", "",
               torch_md, "![per-layer](layers_torch_2ranks.png) ![ratio vs ranks](ratio_vs_ranks.png)", "",
               "## 2. Per-layer forward+backward, Keras (1 and 2 ranks)", "",
               "ours and local BN share a job (one at 1 rank, one per `HVD_SYNCBN_COMM` at 2 ranks); "
