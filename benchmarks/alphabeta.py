@@ -10,7 +10,8 @@ calls as they do: a Horovod call then starts just after a background cycle and w
 for the next one, and an mpi4py call meets its peers as they leave the barrier. (After
 an ``MPI_Barrier`` instead, a Horovod call lands anywhere in the cycle and costs about
 half as much: the fit then missed the layers' floors by 60-80%.) Rank 0 keeps each
-point's median and lower decile (``*_p10``: the uncontended cost on a shared machine).
+point's median, lower quartile (``*_q1``, what the fit uses) and lower decile
+(``*_p10``).
 """
 
 from __future__ import annotations
@@ -63,6 +64,7 @@ def main() -> None:
         for k in ("horovod", "mpi4py"):
             s = sorted(samples[(n, k)])
             row[k] = statistics.median(s)
+            row[f"{k}_q1"] = s[len(s) // 4]
             row[f"{k}_p10"] = s[len(s) // 10]
         rows.append(row)
     if hvd.rank() != 0:

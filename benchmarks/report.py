@@ -226,20 +226,24 @@ def tf_section(res: dict) -> str:
 # ---------------------------------------------------------------------- model
 
 
-def fits(res: dict, oversubscribed: bool = False) -> dict:
-    """``{(transport, network): params}`` fitted on the allreduce sweeps; only the runs
-    with no more ranks than cores unless ``oversubscribed``."""
+def sweep_point(row: dict, transport: str) -> float:
+    """The statistic the model fits: a sweep point's lower quartile (older results: the
+    lower decile, else the median)."""
+    return row.get(f"{transport}_q1", row.get(f"{transport}_p10", row[transport]))
+
+
+def fits(res: dict) -> dict:
+    """``{(transport, network): params}`` fitted on the allreduce sweeps at 1–4 ranks."""
     out = {}
     ab, cores = res["alphabeta"], res["cores"] or 1
     for network in ("loopback", "netns"):
         for transport in ("horovod", "mpi4py"):
-            col = lambda r: r.get(f"{transport}_p10", r[transport])  # noqa: E731
-            pts = [(job["ranks"], r["bytes"], col(r)) for job in ab.get(network, {}).values()
-                   if "rows" in job and (oversubscribed or job["ranks"] <= cores) for r in job["rows"]]
+            pts = [(job["ranks"], r["bytes"], sweep_point(r, transport)) for job in ab.get(network, {}).values()
+                   if "rows" in job for r in job["rows"]]
             if network == "netns":  # one rank has no network: reuse loopback's 1-rank points
-                pts += [(1, r["bytes"], col(r)) for r in ab["loopback"].get("1", {}).get("rows", [])]
+                pts += [(1, r["bytes"], sweep_point(r, transport)) for r in ab["loopback"].get("1", {}).get("rows", [])]
             if len({p[0] for p in pts}) >= 2:
-                out[(transport, network)] = scaling.fit(pts)
+                out[(transport, network)] = scaling.fit(pts, cores)
     return out
 
 
@@ -247,16 +251,15 @@ def model_section(res: dict, fitted: dict) -> tuple:
     parts = []
     cores = res["cores"] or 1
     rows = []
-    for label, fset in ((f"ranks ≤ {cores} (used below)", fitted), ("all, oversubscribed too", fits(res, True))):
-        rows += [[t, n, label, f"{p['h'] * 1e3:.1f}", f"{p['alpha'] * 1e3:.1f}",
-                  "∞" if p["beta"] == 0 else f"{1e-6 / p['beta']:.2f}", p["points"], f"{p['rms_rel_err']:.0%}"]
-                 for (t, n), p in fset.items()]
-    parts.append(table(["transport", "network", "runs fitted", "h µs (per call)", "α µs (per round)", "1/β GB/s",
-                        "points", "rms rel. error of fit"], rows))
-    parts.append(f"\nThe fit used below leaves out runs with more ranks than the {cores} cores: there a blocking "
-                 "collective waits for descheduled peers (time slices of milliseconds), which no network model "
-                 "describes. The 4-rank rows of the check below show what that costs the model. Measured points: "
-                 "`results.json` → `alphabeta`; plot `alphabeta.png`.")
+    rows += [[t, n, f"{p['h'] * 1e3:.1f}", f"{p['alpha'] * 1e3:.1f}", f"{p['sigma'] * 1e3:.1f}",
+              "∞" if p["beta"] == 0 else f"{1e-6 / p['beta']:.2f}", p["points"], f"{p['rms_rel_err']:.0%}"]
+             for (t, n), p in fitted.items()]
+    parts.append(table(["transport", "network", "h µs (per call)", "α µs (per round)",
+                        f"σ µs (per round, ranks > {cores} cores)", "1/β GB/s", "points", "rms rel. error of fit"],
+                       rows))
+    parts.append(f"\nThe 3- and 4-rank runs oversubscribe the {cores} cores: there a round also waits for a peer "
+                 "that is not scheduled, which σ takes up (Horovod's cost is its cycle either way). Measured "
+                 "points: `results.json` → `alphabeta`; plot `alphabeta.png`.")
     skipped = res["alphabeta"].get("netns_skipped")
     if skipped:
         parts.append(f"\nNamespace hosts skipped: {skipped}.")
@@ -272,7 +275,7 @@ def model_section(res: dict, fitted: dict) -> tuple:
             row = [ranks, c]
             for transport, job, floor in (("horovod", h, "floor_hvd"), ("mpi4py", m, "floor_mpi")):
                 p = fitted.get((transport, "loopback"))
-                pred = scaling.cost(p, ours, ranks) if p else math.nan
+                pred = scaling.cost(p, ours, ranks, cores) if p else math.nan
                 fl, over = med(job, key, floor), med(job, key, "ours") - med(job, key, "local")
                 fl_q1 = quartile(job, key, floor)
                 row += [ms(pred), f"{ms(fl)} ({ms(fl_q1)})", f"{rel(pred, fl)} ({rel(pred, fl_q1)})", ms(over),
@@ -281,9 +284,9 @@ def model_section(res: dict, fitted: dict) -> tuple:
                     errs.append(((pred - fl_q1) / fl_q1, transport, ranks))
             check.append(row)
     parts.append("\nModel against measurement (loopback fit; the floor is the same two allreduces timed "
-                 "between the layers' runs; ours − local adds our layer's extra compute). Where a measured floor "
-                 "is far above the sweep's own time for the same sizes, the ranks were not scheduled together "
-                 "(other load on the 2 cores, or 4 ranks on 2 cores): the model has no term for that.\n\n" + table(
+                 "between the layers' runs, in other jobs than the sweep; the error in brackets is against its "
+                 "lower quartile, the statistic the model is fitted on; ours − local adds our layer's extra "
+                 "compute).\n\n" + table(
                      ["ranks", "C", "predicted, Horovod", "floor_hvd measured: median (q1)", "rel. err",
                       "ours − local", "rel. err", "predicted, mpi4py", "floor_mpi measured: median (q1)",
                       "rel. err", "ours[mpi] − local", "rel. err"], check))
@@ -307,7 +310,7 @@ def model_section(res: dict, fitted: dict) -> tuple:
         bw = "∞" if not p["beta"] else f"{1e-6 / p['beta']:.2f}"
         parts.append(f"\nPredicted SyncBN communication per training step, ms, with the "
                      f"{transport_key[0]} / {transport_key[1]} fit (h={p['h'] * 1e3:.1f} µs, "
-                     f"α={p['alpha'] * 1e3:.1f} µs, 1/β={bw} GB/s):\n\n"
+                     f"α={p['alpha'] * 1e3:.1f} µs, 1/β={bw} GB/s; a core per rank, so no σ):\n\n"
                      + table(["net", "design"] + [f"W={w}" for w in PREDICT_RANKS]
                              + [f"/ ours, W={w}" for w in PREDICT_RANKS], rows))
     return "\n".join(parts), errs, preds
@@ -366,15 +369,15 @@ def plots(res: dict, fitted: dict, preds: dict, out: Path) -> list:
                 if "rows" not in job:
                     continue
                 xs = [r["bytes"] for r in job["rows"]]
-                ys = [r.get(f"{transport}_p10", r[transport]) for r in job["rows"]]
+                ys = [sweep_point(r, transport) for r in job["rows"]]
                 line = ax.loglog(xs, ys, marker, label=f"{network} W={w}")[0]
                 if p:
-                    ax.loglog(xs, [scaling.cost(p, [("allreduce", x)], int(w)) for x in xs], "-",
+                    ax.loglog(xs, [scaling.cost(p, [("allreduce", x)], int(w), res["cores"] or 1) for x in xs], "-",
                               color=line.get_color(), lw=0.8)
-        ax.set_title(f"{transport} allreduce: lower decile measured, lines fitted", fontsize=9)
+        ax.set_title(f"{transport} allreduce: lower quartile measured, lines fitted", fontsize=9)
         ax.set_xlabel("bytes per rank")
         ax.legend(fontsize=6)
-    axes[0].set_ylabel("ms (median)")
+    axes[0].set_ylabel("ms (lower quartile)")
     made.append(_save(plt, fig, out, "alphabeta.png"))
     if preds:
         fig, axes = plt.subplots(1, 2, figsize=(11, 4))
@@ -477,8 +480,8 @@ def write_report(res: dict, out: Path) -> Path:
               "forward waits for its statistics; Horovod may fuse a layer's async collectives into one cycle, "
               "which the model does not credit to the all-gather designs); fitted α, β carry over to W ranks "
               "(a real cluster's network differs: the numbers show the shape — latency-bound, count of "
-              "collectives × log2 W — rather than a forecast); the 3- and 4-rank points oversubscribe 2 cores, "
-              "which inflates α. ResNet-50 BN channels: "
+              "collectives × log2 W — rather than a forecast); a cluster gives each rank a core (no σ). "
+              "ResNet-50 BN channels: "
               f"{scaling.resnet50_bn_channels()}; DeepLab-v3 adds 7 × 256.", "", model_md, "",
               "![alpha-beta fit](alphabeta.png) ![scaling model](scaling_model.png)", ""]
     path = out / "REPORT.md"

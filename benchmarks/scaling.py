@@ -4,17 +4,20 @@ Cost of one collective on ``W`` ranks moving ``n`` bytes per rank (Hockney model
 the latency term of a tree / recursive doubling and the bandwidth term of a ring,
 the textbook lower bounds that MPI libraries approach for small and large messages):
 
-    allreduce(W, n) = h + ceil(log2 W)·α + 2(W−1)/W · n·β
-    allgather(W, n) = h + ceil(log2 W)·α + (W−1) · n·β      (n: one rank's part)
+    allreduce(W, n) = h + ceil(log2 W)·(α + σ·[W > cores]) + 2(W−1)/W · n·β
+    allgather(W, n) = h + ceil(log2 W)·(α + σ·[W > cores]) + (W−1) · n·β   (n: one rank's part)
 
 ``h`` is a fixed per-call cost (Horovod: waiting for its next background cycle, a
 full one when the call follows another Horovod collective, and its negotiation;
 mpi4py: the call itself and the ranks' skew), ``α`` the per-round latency, ``β``
-seconds per byte. They are fitted (non-negative least squares on relative error) to
-the lower decile of each point of ``alphabeta.py``'s sweeps at 1–4 ranks (the
-uncontended cost: the machine may be shared), each call timed right after a Horovod
-barrier as in the layer benchmarks. SyncBN's collectives sit on the critical path one after
-another, so a step's overhead is the sum over its BN layers of their collectives.
+seconds per byte, and ``σ`` what a round costs more when ranks outnumber the cores:
+the wait for a peer that is not scheduled. They are fitted (non-negative least squares
+on relative error) to the lower quartile of each point of ``alphabeta.py``'s sweeps at
+1–4 ranks, each call timed right after a Horovod barrier as in the layer benchmarks,
+and checked against the lower quartile of the layer jobs' floors. A cluster gives each
+rank a core: the predictions beyond this machine leave ``σ`` out. SyncBN's collectives
+sit on the critical path one after another, so a step's overhead is the sum over its BN
+layers of their collectives.
 """
 
 from __future__ import annotations
@@ -61,8 +64,9 @@ DESIGNS = {
 SHORT = {k: k.split(" (")[0] for k in DESIGNS}
 
 
-def features(kind: str, ranks: int, nbytes: float) -> np.ndarray:
-    """Coefficients of ``(h, α, β)`` in the cost of one collective."""
+def features(kind: str, ranks: int, nbytes: float, cores: int = 0) -> np.ndarray:
+    """Coefficients of ``(h, α, β, σ)`` in the cost of one collective; ``cores``: the
+    machine's (0: one per rank, as on a cluster)."""
     rounds = math.ceil(math.log2(ranks)) if ranks > 1 else 0
     if ranks == 1:
         volume = 0.0
@@ -72,38 +76,42 @@ def features(kind: str, ranks: int, nbytes: float) -> np.ndarray:
         volume = (ranks - 1) * nbytes
     else:
         raise ValueError(f"unknown collective kind {kind!r}; expected allreduce or allgather")
-    return np.array([1.0, rounds, volume])
+    return np.array([1.0, rounds, volume, rounds if cores and ranks > cores else 0.0])
 
 
-def fit(points: Iterable[Tuple[int, float, float]]) -> Dict[str, float]:
-    """``{"h", "alpha", "beta"}`` (ms, ms, ms/byte) from ``(ranks, bytes, ms)`` allreduce
-    points: the non-negative least-squares fit of relative error (every subset of the
-    three terms is tried; the best one with no negative coefficient wins)."""
+def fit(points: Iterable[Tuple[int, float, float]], cores: int) -> Dict[str, float]:
+    """``{"h", "alpha", "beta", "sigma"}`` (ms, ms, ms/byte, ms) from ``(ranks, bytes, ms)``
+    allreduce points on a machine with ``cores`` cores: the non-negative least-squares fit
+    of relative error (every subset of the four terms is tried; the best one with no
+    negative coefficient wins)."""
     pts = [(w, n, t) for w, n, t in points if t > 0]
-    a = np.array([features("allreduce", w, n) for w, n, _ in pts])
+    a = np.array([features("allreduce", w, n, cores) for w, n, _ in pts])
     t = np.array([p[2] for p in pts])
     a_rel, one = a / t[:, None], np.ones(len(t))
-    best, best_err = np.zeros(3), math.inf
-    for k in range(1, 4):
-        for cols in itertools.combinations(range(3), k):
+    best, best_err = np.zeros(4), math.inf
+    for k in range(1, 5):
+        for cols in itertools.combinations(range(4), k):
             coef, *_ = np.linalg.lstsq(a_rel[:, cols], one, rcond=None)
             if (coef < 0).any():
                 continue
-            full = np.zeros(3)
+            full = np.zeros(4)
             full[list(cols)] = coef
             err = float(np.sum((a_rel @ full - one) ** 2))
             if err < best_err:
                 best, best_err = full, err
     rms = math.sqrt(best_err / len(t)) if len(t) else math.nan
-    return {"h": best[0], "alpha": best[1], "beta": best[2], "rms_rel_err": rms, "points": len(t)}
+    return {"h": best[0], "alpha": best[1], "beta": best[2], "sigma": best[3], "rms_rel_err": rms,
+            "points": len(t)}
 
 
-def cost(params: Dict[str, float], collectives: Iterable[Collective], ranks: int) -> float:
-    """Predicted ms of ``collectives`` run one after another on ``ranks`` ranks."""
-    coef = np.array([params["h"], params["alpha"], params["beta"]])
-    return float(sum(features(kind, ranks, n) @ coef for kind, n in collectives))
+def cost(params: Dict[str, float], collectives: Iterable[Collective], ranks: int, cores: int = 0) -> float:
+    """Predicted ms of ``collectives`` run one after another on ``ranks`` ranks
+    (``cores``: the machine's; 0: one per rank)."""
+    coef = np.array([params["h"], params["alpha"], params["beta"], params["sigma"]])
+    return float(sum(features(kind, ranks, n, cores) @ coef for kind, n in collectives))
 
 
 def step_overhead(params: Dict[str, float], design: str, channels: List[int], ranks: int) -> float:
-    """Predicted SyncBN communication ms per training step (forward + backward)."""
+    """Predicted SyncBN communication ms per training step (forward + backward), with a
+    core per rank."""
     return cost(params, [c for ch in channels for c in DESIGNS[design](ch)], ranks)
