@@ -140,6 +140,30 @@ def test_bf16_autocast_keeps_float32_statistics():
     assert_close(sync.running_var, plain.running_var, "bf16 running_var", rtol=1e-4)
 
 
+@pytest.mark.parametrize("dtype, tol", [(torch.bfloat16, 3e-2), (torch.float16, 3e-3)], ids=["bf16", "fp16"])
+def test_model_cast_to_low_precision_matches_plain_bn(dtype, tol):
+    """``model.to(bfloat16 / float16)``: input, parameters and running statistics all in
+    that dtype, against plain BN run the same way on the global batch."""
+    sync, plain = (layer.to(dtype) for layer in make_pair(4, 4))
+    sizes = shard_sizes(UNEQUAL, WORLD)
+    mine = shard_slice(sizes, RANK)
+    x_all = torch.from_numpy(global_batch(11, sum(sizes), (4, 6, 6), offset=1.0)).to(dtype).requires_grad_(True)
+    r_all = torch.from_numpy(global_batch(12, sum(sizes), (4, 6, 6))).to(dtype)
+    x = x_all.detach()[mine].clone().requires_grad_(True)
+    y_all = plain(x_all)
+    (y_all.float() * r_all.float()).sum().backward()
+    y = sync(x)
+    (y.float() * r_all[mine].float()).sum().backward()
+    assert y.dtype == x.grad.dtype == sync.running_mean.dtype == sync.weight.grad.dtype == dtype
+    assert_close(y, y_all.detach()[mine], f"{dtype} output", rtol=tol, atol=tol)
+    assert_close(x.grad, x_all.grad[mine], f"{dtype} input grad", rtol=tol, atol=tol)
+    for name in ("weight", "bias"):
+        got = allreduce_sum(getattr(sync, name).grad.float(), f"{name}.grad.{dtype}")
+        assert_close(got, getattr(plain, name).grad, f"{dtype} {name} grad summed over ranks", rtol=tol, atol=tol)
+    for name in ("running_mean", "running_var"):
+        assert_close(getattr(sync, name), getattr(plain, name), f"{dtype} {name}", rtol=tol, atol=tol)
+
+
 def test_variance_survives_large_offset():
     """Mean 1e4, std 0.1, float32 input: variance within 1e-4 of a float64 reference."""
     sizes = shard_sizes(UNEQUAL, WORLD)

@@ -27,8 +27,10 @@ _CENTRED_FROM = 1 << 15  # values; below, the native statistics kernel is as fas
 
 
 def _host(t: Tensor) -> np.ndarray:
-    """A per-channel tensor as a numpy array (zero-copy on CPU)."""
-    return t.detach().cpu().numpy()
+    """A per-channel tensor as a numpy array: zero-copy for float32/float64 on the CPU,
+    other dtypes (a model cast to bfloat16 or float16) as float32."""
+    t = t.detach()
+    return (t if t.dtype in _NUMPY else t.float()).cpu().numpy()
 
 
 def _to(arr: np.ndarray, like: Tensor, dtype: torch.dtype) -> Tensor:
@@ -142,8 +144,10 @@ class _SyncBatchNormFn(torch.autograd.Function):
         invstd = 1.0 / np.sqrt(g_var + layer.eps)
         mean_t, var_t = _to(g_mean, x, acc), _to(g_var, x, acc)
         layer._mean_guess = mean_t if np.isfinite(g_mean).all() else None
-        # The native inference kernel normalises with the global statistics.
-        y = torch.batch_norm(x, weight, bias, mean_t, var_t, False, 0.0, layer.eps, torch.backends.cudnn.enabled)
+        # The native inference kernel normalises with the global statistics; it takes
+        # float16 input with float32 statistics only if the affine parameters are float32 too.
+        w, b = (p if p is None or p.dtype == acc else p.to(acc) for p in (weight, bias))
+        y = torch.batch_norm(x, w, b, mean_t, var_t, False, 0.0, layer.eps, torch.backends.cudnn.enabled)
         ctx.save_for_backward(x, weight, mean_t, var_t, _to(invstd, x, acc))
         ctx.layer, ctx.comm, ctx.total, ctx.invstd = layer, comm, total, invstd
         return y
