@@ -37,7 +37,10 @@ RANK, WORLD = hvd.rank(), hvd.size()
 
 
 def allreduce_sum(t, name):
-    return hvd.allreduce(tf.convert_to_tensor(t), op=hvd.Sum, name=f"test.{name}")
+    t = tf.convert_to_tensor(t)
+    if t.dtype in (tf.float16, tf.bfloat16):  # Horovod sums no bfloat16
+        t = tf.cast(t, tf.float32)
+    return hvd.allreduce(t, op=hvd.Sum, name=f"test.{name}")
 
 
 class MultiAxisBN(keras.layers.Layer):
@@ -181,6 +184,15 @@ def test_mixed_float16_keeps_float32_statistics():
     sync, plain = make_pair((4, 4, 3), oracle_dtype="mixed_float16", dtype="mixed_float16")
     assert sync.moving_mean.dtype == "float32"
     run_steps(sync, plain, (4, 4, 3), UNEQUAL, steps=2, rtol=1e-2, atol=2e-3)
+
+
+@pytest.mark.parametrize("dtype, tol", [("float16", 3e-3), ("bfloat16", 3e-2)])
+def test_low_precision_variables_compute_in_float32(dtype, tol):
+    """``dtype="float16"``/``"bfloat16"`` (the variables too, not a mixed policy): the
+    statistics are computed in float32 and stored back, as Keras's own layer does."""
+    sync, plain = make_pair((4, 4, 3), oracle_dtype=dtype, dtype=dtype)
+    assert sync.moving_mean.dtype == dtype
+    run_steps(sync, plain, (4, 4, 3), UNEQUAL, steps=2, rtol=tol, atol=tol)
 
 
 def test_variance_survives_large_offset():

@@ -443,9 +443,12 @@ class SyncBatchNormalization(keras.layers.BatchNormalization):
         axes = self._reduction_axes
         if mask is not None:
             mask = tf.expand_dims(tf.cast(mask, x.dtype), -1)
+        # float16/bfloat16 variables (dtype="float16", not a mixed policy) compute in float32,
+        # as Keras's own layer does: the fused kernels take no half statistics.
+        gamma, beta = (None if w is None else tf.cast(w, x.dtype) for w in (self.gamma, self.beta))
         if sync:
             (y,), mean, var, total = _sync_normalize(
-                [x], self.gamma, self.beta, axes, self.epsilon, self.name, self.process_set, [mask], self.comm,
+                [x], gamma, beta, axes, self.epsilon, self.name, self.process_set, [mask], self.comm,
                 self.check_finite,
             )
             for moving, new in ((self.moving_mean, mean), (self.moving_variance, var)):
@@ -455,7 +458,6 @@ class SyncBatchNormalization(keras.layers.BatchNormalization):
         else:  # multi-axis inference
             mean, var = (tf.cast(v, x.dtype) for v in (self.moving_mean, self.moving_variance))
             xhat = (x - _keep(mean, x, axes)) * _keep(tf.math.rsqrt(var + self.epsilon), x, axes)
-            gamma, beta = (None if w is None else tf.cast(w, x.dtype) for w in (self.gamma, self.beta))
             y = _scale_shift(xhat, gamma, beta, axes)
         return tf.cast(y, self.compute_dtype)
 
