@@ -195,6 +195,22 @@ def test_low_precision_variables_compute_in_float32(dtype, tol):
     run_steps(sync, plain, (4, 4, 3), UNEQUAL, steps=2, rtol=tol, atol=tol)
 
 
+def test_second_derivative_raises():
+    """The gradient is written by hand with the statistics as constants (and summed
+    across ranks outside the tape): a second derivative raises instead of being wrong."""
+    sync, _ = make_pair((4, 4, 3))
+    x = tf.constant(global_batch(13, 3, (4, 4, 3)))
+    with tf.GradientTape() as outer:
+        outer.watch(x)
+        with tf.GradientTape() as inner:
+            inner.watch(x)
+            loss = tf.reduce_sum(sync(x, training=True) ** 3)
+        grad = inner.gradient(loss, x)
+        total = tf.reduce_sum(grad * grad)
+    with pytest.raises(NotImplementedError, match="no second derivative"):
+        outer.gradient(total, x)
+
+
 def test_variance_survives_large_offset():
     sizes = shard_sizes(UNEQUAL, WORLD)
     x_all = global_batch(3, sum(sizes), (4, 4, 8), offset=1e4, scale=0.1)

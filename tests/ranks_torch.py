@@ -164,6 +164,20 @@ def test_model_cast_to_low_precision_matches_plain_bn(dtype, tol):
         assert_close(getattr(sync, name), getattr(plain, name), f"{dtype} {name}", rtol=tol, atol=tol)
 
 
+def test_double_backward_raises_across_ranks():
+    """A second derivative through the layer raises across ranks (its backward sums
+    through numpy, so one would be wrong); alone the layer is plain BN and has one."""
+    sync, plain = make_pair(4, 4)
+    x = torch.from_numpy(global_batch(13, 3, (4, 5, 5))).requires_grad_(True)
+    grad, = torch.autograd.grad((sync(x) ** 2).sum(), x, create_graph=True)
+    if WORLD == 1:
+        want, = torch.autograd.grad((plain(x) ** 2).sum(), x, create_graph=True)
+        assert_close(torch.autograd.grad(grad.sum(), x)[0], torch.autograd.grad(want.sum(), x)[0], "second derivative")
+    else:
+        with pytest.raises(RuntimeError, match="differentiate twice"):
+            grad.sum().backward()
+
+
 def test_variance_survives_large_offset():
     """Mean 1e4, std 0.1, float32 input: variance within 1e-4 of a float64 reference."""
     sizes = shard_sizes(UNEQUAL, WORLD)

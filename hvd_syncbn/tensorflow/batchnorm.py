@@ -187,6 +187,22 @@ def _fused_affine(x: tf.Tensor, mean: tf.Tensor, var: tf.Tensor, epsilon: float,
                                        is_training=False, data_format=fmt)[0]
 
 
+def _first_order(layer: str, *grads: tf.Tensor) -> list:
+    """``grads`` as they are, except that asking for their own gradient (a second
+    derivative of the layer) raises: the hand-written gradient treats the statistics as
+    constants and sums across ranks outside the tape, so one would be silently wrong."""
+
+    @tf.custom_gradient
+    def identity(*ts):
+        def refuse(*upstream):
+            raise NotImplementedError(f"{layer}: SyncBatchNormalization has no second derivative (its gradient "
+                                      "is written by hand, with statistics summed across ranks outside the tape)")
+
+        return list(ts), refuse
+
+    return list(identity(*grads))
+
+
 def _sync_normalize(
     xs: Sequence[tf.Tensor],
     gamma: Optional[tf.Tensor],
@@ -283,7 +299,7 @@ def _sync_normalize(
                 dparams.append(tf.add_n([s[1] for s in sums]))
             if b is not None:
                 dparams.append(tf.add_n([s[0] for s in sums]))
-            return dxs + dparams
+            return _first_order(name, *dxs, *dparams)
 
         return (*ys, mean, var, total), grad
 

@@ -12,6 +12,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.autograd.function import once_differentiable
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from hvd_syncbn import backend
@@ -153,6 +154,7 @@ class _SyncBatchNormFn(torch.autograd.Function):
         return y
 
     @staticmethod
+    @once_differentiable  # the sums pass through numpy: a second derivative would be silently wrong
     def backward(ctx, dy):
         x, weight, mean, var, invstd = ctx.saved_tensors
         layer = ctx.layer
