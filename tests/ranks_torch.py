@@ -112,9 +112,11 @@ CASES = {
     "no-running-stats": dict(tail=(4, 3, 3), pattern=UNEQUAL, kwargs=dict(track_running_stats=False)),
     "momentum-0.5-eps-1e-3": dict(tail=(4, 3, 3), pattern=UNEQUAL, kwargs=dict(momentum=0.5, eps=1e-3)),
     # Enough values per rank for the centred moments; the mean moves little (the last
-    # global mean centres the next step) or far (a fresh mean first).
+    # global mean centres the next step) or far (a fresh mean first). At mean 10 float32
+    # outputs carry about 1.5e-6 of rounding, in plain BN as in ours (measured against
+    # float64 at 4 ranks), so the two differ by up to 2.4e-6.
     "2d-large-steady": dict(tail=(4, 64, 64), pattern=UNEQUAL, drift=0.1),
-    "2d-large-drifting": dict(tail=(4, 64, 64), pattern=UNEQUAL, drift=5.0),
+    "2d-large-drifting": dict(tail=(4, 64, 64), pattern=UNEQUAL, drift=5.0, tol=dict(atol=5e-6)),
 }
 
 
@@ -123,7 +125,7 @@ def test_matches_plain_bn_on_global_batch(case):
     c = CASES[case]
     sync, plain = make_pair(c["tail"][0], len(c["tail"]) + 1, **c.get("kwargs", {}))
     run_steps(sync, plain, c["tail"], c["pattern"], channels_last=c.get("channels_last", False),
-              drift=c.get("drift", 1.0))
+              drift=c.get("drift", 1.0), **c.get("tol", {}))
 
 
 def test_bf16_autocast_keeps_float32_statistics():
