@@ -19,6 +19,7 @@ import numpy as np
 
 FRAMEWORK, SCENARIO = sys.argv[1], sys.argv[2]
 STEPS, BAD_STEP = 4, 2
+LINGER_S = 1.0
 
 
 def torch_layers(rank: int):
@@ -102,6 +103,10 @@ def main() -> None:
         except Exception as e:  # noqa: BLE001 - reported, then re-raised
             print(f"RESULT rank={rank} elapsed={time.monotonic() - start:.2f} error={type(e).__name__}\n{e}",
                   flush=True)
+            # Under mpirun the first rank to exit non-zero ends the job; its peers raise
+            # at the same moment (they leave the same diagnosis exchange) but may be a few
+            # ms behind on 2 shared cores: let them print theirs (once, in CI, one did not).
+            time.sleep(LINGER_S)
             raise
         if SCENARIO == "die":
             time.sleep(0.2)  # let the dying rank's peers wait in the next step
