@@ -58,11 +58,11 @@ def _local_moments(x: Tensor, acc: torch.dtype, shift: Optional[Tensor] = None) 
     value in this layout (1.8 ms on (8, 64, 56, 56); 0.2 ms channels-last). ``shift`` is
     a per-channel guess of the mean (the layer passes its previous global mean): two
     passes when it is within one standard deviation of this batch's mean, where
-    ``Σc²/n − (Σc/n)²`` loses at most a factor of 2 to cancellation; otherwise, or with
-    no guess, a (pairwise) sum for the mean first, three passes. Both are about as
-    accurate as the native kernel (1e-7 to 3e-7 relative). Smaller inputs, other
-    layouts and mixed precision use the native kernel. Where the ``acc`` mean's rounding
-    would cost the global variance accuracy (see
+    ``Σc²/n − (Σc/n)²`` loses at most a factor of 2 to cancellation; with no guess, or
+    after those two passes when it is further off, a (pairwise) sum for the mean first,
+    three passes more. Both are about as accurate as the native kernel (1e-7 to 3e-7
+    relative). Smaller inputs, other layouts and mixed precision use the native kernel.
+    Where the ``acc`` mean's rounding would cost the global variance accuracy (see
     :func:`hvd_syncbn.backend.mean_needs_float64`) both are recomputed in float64.
     """
     dims, channels = _reduced_dims(x), x.shape[1]
