@@ -250,10 +250,9 @@ def fits(res: dict) -> dict:
 def model_section(res: dict, fitted: dict) -> tuple:
     parts = []
     cores = res["cores"] or 1
-    rows = []
-    rows += [[t, n, f"{p['h'] * 1e3:.1f}", f"{p['alpha'] * 1e3:.1f}", f"{p['sigma'] * 1e3:.1f}",
-              "∞" if p["beta"] == 0 else f"{1e-6 / p['beta']:.2f}", p["points"], f"{p['rms_rel_err']:.0%}"]
-             for (t, n), p in fitted.items()]
+    rows = [[t, n, f"{p['h'] * 1e3:.1f}", f"{p['alpha'] * 1e3:.1f}", f"{p['sigma'] * 1e3:.1f}",
+             "∞" if p["beta"] == 0 else f"{1e-6 / p['beta']:.2f}", p["points"], f"{p['rms_rel_err']:.0%}"]
+            for (t, n), p in fitted.items()]
     parts.append(table(["transport", "network", "h µs (per call)", "α µs (per round)",
                         f"σ µs (per round, ranks > {cores} cores)", "1/β GB/s", "points", "rms rel. error of fit"],
                        rows))
