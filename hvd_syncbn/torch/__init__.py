@@ -2,5 +2,6 @@
 
 from .batchnorm import SyncBatchNorm
 from .convert import convert_sync_batchnorm, revert_sync_batchnorm
+from .norm_act import SyncBatchNormAct2d
 
-__all__ = ["SyncBatchNorm", "convert_sync_batchnorm", "revert_sync_batchnorm"]
+__all__ = ["SyncBatchNorm", "SyncBatchNormAct2d", "convert_sync_batchnorm", "revert_sync_batchnorm"]

@@ -256,13 +256,20 @@ class SyncBatchNorm(_BatchNorm):
         check_finite: bool = False,
     ) -> None:
         _check_args(num_features, eps, momentum)
-        transport.requested_kind(comm)
         super().__init__(num_features, eps, momentum, affine, track_running_stats, device, dtype, bias=bias)
+        self._init_sync(process_set, name, comm, check_finite)
+
+    def _init_sync(self, process_set: Any, name: Optional[str], comm: Optional[str], check_finite: bool) -> None:
+        """Set what this class adds to ``_BatchNorm`` (also for a layer made by conversion)."""
+        transport.requested_kind(comm)
         self.process_set = process_set
         self.layer_name = name or f"SyncBatchNorm_{next(_layer_ids)}"
         self.comm = comm
         self.check_finite = bool(check_finite)
         self._mean_guess: Optional[Tensor] = None  # last global batch mean (see _local_moments)
+
+    _SYNC_ATTRIBUTES = ("process_set", "layer_name", "comm", "check_finite", "_mean_guess")
+    """What :meth:`_init_sync` sets; reverting to plain BN drops these."""
 
     def _check_input_dim(self, input: Tensor) -> None:
         backend.check_input(
