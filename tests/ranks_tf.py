@@ -123,7 +123,8 @@ def run_steps(sync, plain, tail, pattern, steps=3, compiled=False, mask=False, s
         for i, (mine_g, want_g) in enumerate(zip(g[1:], g_all[1:])):
             assert_close(allreduce_sum(mine_g, f"w{i}.{step}"), want_g, f"weight grad {i} summed ({what})",
                          **{"atol": 1e-5, **tol})
-        for name in ("moving_mean", "moving_variance"):
+        renorm = ("moving_stddev", "renorm_mean", "renorm_stddev") if getattr(plain, "renorm", False) else ()
+        for name in ("moving_mean", "moving_variance", *renorm):
             assert_close(getattr(sync, name), getattr(plain, name), f"{name} ({what})", **tol)
     x_all = global_batch(50, sum(sizes), tail)
     assert_close(sync(x_all[mine], training=False), plain(x_all, training=False)[mine.start:mine.stop],
@@ -147,6 +148,14 @@ CASES = {
     "axis-list": dict(tail=(3, 5, 4), axis=[1, 3], pattern=UNEQUAL),
     "tf-function": dict(tail=(5, 5, 4), pattern=EMPTY, compiled=True),
     "mask": dict(tail=(6, 4), pattern=UNEQUAL, mask=True),
+    # Batch renormalization: r and d from the global statistics; data of scale 2 drifting
+    # by 2 a step moves them off 1 and 0, and the clipping below binds.
+    "renorm": dict(tail=(5, 5, 4), pattern=UNEQUAL, scale=2.0,
+                   kwargs=dict(renorm=True, renorm_momentum=0.5, momentum=0.9)),
+    "renorm-clipping-channels-first": dict(tail=(4, 5, 5), axis=1, pattern=EMPTY, scale=2.0, kwargs=dict(
+        renorm=True, renorm_clipping=dict(rmax=1.5, rmin=0.8, dmax=0.5), renorm_momentum=0.5)),
+    "renorm-mask-tf-function": dict(tail=(6, 4), pattern=UNEQUAL, mask=True, compiled=True, scale=2.0,
+                                    kwargs=dict(renorm=True, renorm_clipping=dict(rmax=1.2, dmax=0.3))),
 }
 
 
@@ -249,6 +258,68 @@ def test_converter_replaces_nested_bn_and_keeps_weights():
     assert_close(converted(x, training=False), model(x, training=False), "inference output")
 
 
+def renorm_model(bn=keras.layers.BatchNormalization):
+    inputs = keras.Input((6,))
+    x = keras.layers.Dense(4, name="dense")(inputs)
+    x = bn(renorm=True, renorm_clipping={"rmax": 2.0, "dmax": 1.0}, renorm_momentum=0.7, name="rn")(x)
+    return keras.Model(inputs, x)
+
+
+def test_converter_carries_renorm_config_and_weights():
+    keras.utils.set_random_seed(0)
+    model = renorm_model()
+    for seed in (3, 4):  # move every statistic off its initial value
+        model(global_batch(seed, 8, (6,), offset=seed), training=True)
+    converted = convert_sync_batchnorm(model)
+    layer = converted.get_layer("rn")
+    assert type(layer) is SyncBatchNormalization
+    assert (layer.renorm, layer.renorm_clipping, layer.renorm_momentum) == (True, {"rmax": 2.0, "dmax": 1.0}, 0.7)
+    assert [w.name for w in converted.weights] == [w.name for w in model.weights]
+    for a, b in zip(converted.weights, model.weights):
+        assert_close(a, b, f"weight {a.path}")
+    x = global_batch(5, 8, (6,), offset=1.0)  # the same rows on every rank: global = local statistics
+    assert_close(converted(x, training=True), model(x, training=True), "renorm training output", rtol=1e-5)
+    for a, b in zip(converted.weights, model.weights):
+        assert_close(a, b, f"{a.path} after a renorm step", rtol=1e-5)
+
+
+def test_converter_refuses_unknown_bn_subclasses_unless_mapped():
+    class TwiceBN(keras.layers.BatchNormalization):
+        def call(self, inputs, training=None, mask=None):
+            return 2 * super().call(inputs, training=training, mask=mask)
+
+    class SyncTwiceBN(SyncBatchNormalization):
+        def call(self, inputs, training=None, mask=None):
+            return 2 * super().call(inputs, training=training, mask=mask)
+
+    with pytest.raises(ValueError, match=r"layer 'rn' is a .*TwiceBN, a subclass of BatchNormalization this "
+                                         r"converter does not know.*classes="):
+        convert_sync_batchnorm(renorm_model(TwiceBN))
+    converted = convert_sync_batchnorm(renorm_model(TwiceBN), classes={TwiceBN: SyncTwiceBN})
+    assert type(converted.get_layer("rn")) is SyncTwiceBN
+    with pytest.raises(TypeError, match="expected classes to map BatchNormalization subclasses"):
+        convert_sync_batchnorm(renorm_model(), classes={TwiceBN: keras.layers.BatchNormalization})
+
+
+def test_renorm_with_an_axis_list_matches_keras_on_the_flattened_channels():
+    """Channels over axes 1 and 3 of (N, 3, 5, 4) are Keras's last axis of the
+    transposed (N, 5, 12); renorm's variables are shaped (3, 4) and (12,)."""
+    sizes = shard_sizes(UNEQUAL, WORLD)
+    mine = shard_slice(sizes, RANK)
+    kwargs = dict(renorm=True, renorm_clipping=dict(rmax=1.3, dmax=0.4), renorm_momentum=0.5, momentum=0.8)
+    sync = SyncBatchNormalization(axis=[1, 3], **kwargs)
+    plain = keras.layers.BatchNormalization(dtype="float64", **kwargs)
+    for step in range(3):
+        x_all = global_batch(step, sum(sizes), (3, 5, 4), offset=2.0 * step, scale=2.0)
+        flat = np.transpose(x_all, (0, 2, 1, 3)).reshape(-1, 5, 12)
+        want = np.transpose(plain(flat, training=True).numpy().reshape(-1, 5, 3, 4), (0, 2, 1, 3))
+        assert_close(sync(x_all[mine], training=True), want[mine], f"axis-list renorm output, step {step}")
+    for name in ("moving_mean", "moving_variance", "moving_stddev", "renorm_mean", "renorm_stddev"):
+        got = getattr(sync, name)
+        assert tuple(got.shape) == (3, 4), f"{name} shape {got.shape}"
+        assert_close(np.reshape(got, -1), getattr(plain, name), f"axis-list {name}")
+
+
 def test_converter_rejects_what_it_cannot_convert():
     with pytest.raises(ValueError, match="expected a Sequential or functional keras.Model, got Dense"):
         convert_sync_batchnorm(keras.layers.Dense(3))
@@ -292,7 +363,8 @@ def test_bad_input_names_layer(x, match):
 
 
 @pytest.mark.parametrize("kwargs, match", [(dict(momentum=1.5), r"momentum in \[0, 1\]"),
-                                           (dict(epsilon=0.0), "epsilon > 0"), (dict(renorm=True), "renorm"),
+                                           (dict(epsilon=0.0), "epsilon > 0"),
+                                           (dict(renorm=True, renorm_clipping={"rmax": 1.0, "rmin": 2.0}), "rmax should"),
                                            (dict(comm="nccl"), "comm: expected one of auto, horovod, mpi")])
 def test_bad_arguments(kwargs, match):
     with pytest.raises(ValueError, match=match):

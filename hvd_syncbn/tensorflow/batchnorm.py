@@ -8,7 +8,7 @@ global statistics; other inputs use composite ops.
 
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence, Tuple
+from typing import Any, Callable, Optional, Sequence, Tuple
 
 import keras
 import numpy as np
@@ -214,10 +214,15 @@ def _sync_normalize(
     masks: Optional[Sequence[Optional[tf.Tensor]]] = None,
     comm: Optional[str] = None,
     check_finite: bool = False,
+    renorm: Optional[Callable[[tf.Tensor, tf.Tensor], Tuple[tf.Tensor, tf.Tensor]]] = None,
 ) -> Tuple[list, tf.Tensor, tf.Tensor, tf.Tensor]:
     """Normalise every part ``xs[i]`` (towers of one process) with the statistics of all
     parts on every rank. The parts' buffers are summed in-process, then one allreduce
     per direction crosses the ranks; the gradient is written by hand.
+
+    ``renorm(mean, variance) -> (r, d)``, given the global statistics, turns this into
+    batch renormalization: ``y = (x̂·r + d)·γ + β`` with ``r`` and ``d`` constants of
+    the gradient, as in Keras.
 
     Returns ``([y_i], mean, variance, count)``, the statistics global and biased,
     ``count`` the global number of rows as ``(1,)``.
@@ -261,13 +266,18 @@ def _sync_normalize(
         dtype = xs[0].dtype
         total, mean, var = (tf.cast(t, dtype) for t in (total, mean, var))
         invstd = tf.math.rsqrt(var + epsilon)
+        scale, offset = g, b  # of x̂: γ and β, or with renorm r·γ and d·γ + β
+        if renorm is not None:
+            r, d = (tf.stop_gradient(tf.reshape(t, [-1])) for t in renorm(mean, var))
+            scale, offset = (r, d) if g is None else (r * g, d * g)
+            offset = offset if b is None else offset + b
         if fused:  # one kernel pass forward, one (plus one for the global terms) backward
-            ones = tf.ones_like(mean) if g is None else g
-            zeros = tf.zeros_like(mean) if b is None else b
+            ones = tf.ones_like(mean) if scale is None else scale
+            zeros = tf.zeros_like(mean) if offset is None else offset
             ys = [_like(_fused_affine(x4, mean, var, epsilon, ones, zeros, fmt), x) for x, x4 in zip(xs, x4s)]
         else:
             xhats = [(x - _keep(mean, x, axes)) * _keep(invstd, x, axes) for x in xs]
-            ys = [_scale_shift(xhat, g, b, axes) for xhat in xhats]
+            ys = [_scale_shift(xhat, scale, offset, axes) for xhat in xhats]
 
         def grad(*upstream):
             dys = upstream[:parts]  # the rest are d(mean), d(variance), d(count): not differentiated
@@ -285,7 +295,7 @@ def _sync_normalize(
             g_dy, g_dy_xhat = backend.unpack_grad_sums(allreduce(
                 tf.add_n([backend.pack_grad_sums(_ops, *s) for s in sums]), backend.collective_name(name, "bwd")
             ))
-            k, s, t = backend.input_grad_coeffs(total, invstd, g, g_dy, g_dy_xhat)
+            k, s, t = backend.input_grad_coeffs(total, invstd, scale, g_dy, g_dy_xhat)
             if fused:  # dx = k·dy + (s·x̂ + t), the bracket one more kernel pass
                 dxs = [_like(k_dy + _fused_affine(x4, mean, var, epsilon, s, t, fmt), x)
                        for x, x4, (k_dy, _, _) in zip(xs, x4s, kernel)]
@@ -295,10 +305,11 @@ def _sync_normalize(
                     stat = _keep(s, x, axes) * xhat + _keep(t, x, axes)
                     dxs.append(_keep(k, x, axes) * dy + (stat if w is None else stat * w))
             dparams = []
-            if g is not None:
-                dparams.append(tf.add_n([s[1] for s in sums]))
+            sum_dy, sum_dy_xhat = (tf.add_n([s[i] for s in sums]) for i in (0, 1))
+            if g is not None:  # under renorm y = x̂·r·γ + d·γ + β
+                dparams.append(sum_dy_xhat if renorm is None else r * sum_dy_xhat + d * sum_dy)
             if b is not None:
-                dparams.append(tf.add_n([s[0] for s in sums]))
+                dparams.append(sum_dy)
             return _first_order(name, *dxs, *dparams)
 
         return (*ys, mean, var, total), grad
@@ -358,6 +369,10 @@ class SyncBatchNormalization(keras.layers.BatchNormalization):
         epsilon: added to the variance. Default: 1e-3.
         center, scale, *_initializer, *_regularizer, *_constraint: as in
             ``keras.layers.BatchNormalization``.
+        renorm, renorm_clipping, renorm_momentum: Batch Renormalization (Ioffe 2017), as
+            in ``keras.layers.BatchNormalization``: the correction ``(r, d)`` comes from
+            the global batch statistics, and ``moving_stddev``, ``renorm_mean`` and
+            ``renorm_stddev`` update alike on every rank. Default: ``False``.
         synchronized: accepted for config compatibility; this layer always synchronises.
         process_set: Horovod process set (or its ranks) to synchronise within.
             Default: all ranks.
@@ -383,9 +398,7 @@ class SyncBatchNormalization(keras.layers.BatchNormalization):
     """
 
     def __init__(self, axis=-1, momentum=0.99, epsilon=1e-3, *args, synchronized=False,
-                 process_set=None, comm=None, check_finite=False, renorm=False, **kwargs):
-        if renorm:
-            raise ValueError("SyncBatchNormalization: renorm=True is not supported; use renorm=False")
+                 process_set=None, comm=None, check_finite=False, **kwargs):
         axes = [axis] if isinstance(axis, int) else [int(a) for a in axis]
         if not axes:
             raise ValueError(f"SyncBatchNormalization: expected an axis or a non-empty list of axes, got {axis!r}")
@@ -415,6 +428,14 @@ class SyncBatchNormalization(keras.layers.BatchNormalization):
                                                initializer=self.moving_mean_initializer, autocast=False)
             self.moving_variance = self.add_weight(shape=shape, name="moving_variance", trainable=False,
                                                    initializer=self.moving_variance_initializer, autocast=False)
+            if self.renorm:  # as Keras builds them: standard deviations start at √(variance initializer)
+                def stddev(shape, dtype=None):
+                    return tf.sqrt(keras.initializers.get(self.moving_variance_initializer)(shape, dtype=dtype))
+
+                for name, init in (("moving_stddev", stddev), ("renorm_mean", self.moving_mean_initializer),
+                                   ("renorm_stddev", stddev)):
+                    setattr(self, name, self.add_weight(shape=shape, name=name, initializer=init, trainable=False,
+                                                        autocast=False))
         # Checked in call() instead, so that a bad input on one rank fails every rank.
         self.input_spec = None
         self._ndim, self._channels = ndim, {a: input_shape[a] for a in channel_axes}
@@ -465,17 +486,41 @@ class SyncBatchNormalization(keras.layers.BatchNormalization):
         if sync:
             (y,), mean, var, total = _sync_normalize(
                 [x], gamma, beta, axes, self.epsilon, self.name, self.process_set, [mask], self.comm,
-                self.check_finite,
+                self.check_finite, self._renorm_correction if self.renorm else None,
             )
-            for moving, new in ((self.moving_mean, mean), (self.moving_variance, var)):
-                new = tf.cast(tf.reshape(new, moving.shape), moving.dtype)
-                updated = backend.ema(moving, new, tf.cast(self.momentum, moving.dtype))
-                moving.assign(tf.where(total[0] > 0, updated, moving))  # an empty global batch: no update
+            # After the output: in a tf.function, renorm's reads of renorm_mean and
+            # renorm_stddev (inside the custom gradient) are not otherwise ordered first.
+            with tf.control_dependencies([y]):
+                self._update_moving(mean, var, total[0] > 0)
         else:  # multi-axis inference
             mean, var = (tf.cast(v, x.dtype) for v in (self.moving_mean, self.moving_variance))
             xhat = (x - _keep(mean, x, axes)) * _keep(tf.math.rsqrt(var + self.epsilon), x, axes)
             y = _scale_shift(xhat, gamma, beta, axes)
         return tf.cast(y, self.compute_dtype)
+
+    def _renorm_correction(self, mean: tf.Tensor, var: tf.Tensor) -> Tuple[tf.Tensor, tf.Tensor]:
+        """Batch renormalization's ``(r, d)`` from the global statistics, by Keras's own
+        code (which reads ``renorm_mean``, ``renorm_stddev`` and ``renorm_clipping``)."""
+        shape = self.renorm_mean.shape
+        r, d, _, _ = self._renorm_correction_and_moments(tf.reshape(mean, shape), tf.reshape(var, shape))
+        return r, d
+
+    def _update_moving(self, mean: tf.Tensor, var: tf.Tensor, some: tf.Tensor) -> None:
+        """Keras's moving-statistics updates from the global batch statistics (renorm's
+        too), unless the global batch was empty (``some`` false)."""
+        stddev = tf.sqrt(var + self.epsilon)
+        updates = [(self.moving_mean, mean, self.momentum)]
+        if self.renorm:
+            updates += [(self.moving_stddev, stddev, self.momentum), (self.renorm_mean, mean, self.renorm_momentum),
+                        (self.renorm_stddev, stddev, self.renorm_momentum)]
+        else:
+            updates.append((self.moving_variance, var, self.momentum))
+        for moving, new, keep in updates:
+            new = tf.cast(tf.reshape(new, moving.shape), moving.dtype)
+            moving.assign(tf.where(some, backend.ema(moving, new, tf.cast(keep, moving.dtype)), moving))
+        if self.renorm:  # Keras derives the variance from the standard deviation
+            self.moving_variance.assign(tf.where(
+                some, tf.nn.relu(tf.square(self.moving_stddev) - self.epsilon), self.moving_variance))
 
     def get_config(self):
         config = super().get_config()

@@ -2,24 +2,35 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Mapping, Optional
 
 import keras
 
 from .batchnorm import SyncBatchNormalization
 
 
-def convert_sync_batchnorm(model: keras.Model, process_set: Any = None) -> keras.Model:
+class _UnknownSubclass(ValueError):
+    """A BatchNormalization subclass the converter has no synchronized class for."""
+
+
+def convert_sync_batchnorm(model: keras.Model, process_set: Any = None, *,
+                           classes: Optional[Mapping[type, type]] = None) -> keras.Model:
     """A copy of ``model`` with every ``keras.layers.BatchNormalization`` synchronised.
 
-    Nested models are converted too; every weight (BN moving statistics included) is
-    carried over, and layers keep their names, which also name the collectives.
+    Nested models are converted too; every weight (BN moving statistics, and renorm's,
+    included) is carried over, and layers keep their names and configs, which also name
+    the collectives. A subclass of ``BatchNormalization`` raises ``ValueError`` naming
+    the layer, unless ``classes`` maps it to a synchronized class; SyncBatchNormalization
+    layers stay as they are.
 
     Args:
         model: a Sequential or functional Keras model (e.g.
             ``keras.applications.ResNet50(weights=None)``).
         process_set: Horovod process set (or its ranks) for the new layers.
             Default: all ranks.
+        classes: more conversions, ``{BatchNormalization subclass: SyncBatchNormalization
+            subclass}``; the new layer is made ``from_config`` of the old one's config.
+            Default: none.
 
     Returns:
         A new model; ``model`` itself is left as it was.
@@ -33,15 +44,31 @@ def convert_sync_batchnorm(model: keras.Model, process_set: Any = None) -> keras
     if not isinstance(model, keras.Model):
         raise ValueError(expected)
 
+    known = {keras.layers.BatchNormalization: SyncBatchNormalization, **(classes or {})}
+    for plain, sync in known.items():
+        if not (isinstance(plain, type) and issubclass(plain, keras.layers.BatchNormalization)
+                and isinstance(sync, type) and issubclass(sync, SyncBatchNormalization)):
+            raise TypeError("convert_sync_batchnorm: expected classes to map BatchNormalization subclasses to "
+                            f"SyncBatchNormalization subclasses, got {plain!r}: {sync!r}")
+
     def clone(layer):
         config = layer.get_config()
-        if type(layer) is keras.layers.BatchNormalization:
+        bn = isinstance(layer, keras.layers.BatchNormalization) and not isinstance(layer, SyncBatchNormalization)
+        if bn and type(layer) not in known:
+            raise _UnknownSubclass(
+                f"convert_sync_batchnorm: layer {layer.name!r} is a {type(layer).__module__}."
+                f"{type(layer).__qualname__}, a subclass of BatchNormalization this converter does not know; "
+                f"replacing it could change what the model computes. Pass classes={{{type(layer).__name__}: "
+                "SyncCls}} with SyncCls a SyncBatchNormalization subclass that computes what it does")
+        if bn:
             config.pop("synchronized", None)
-            return SyncBatchNormalization.from_config({**config, "process_set": process_set})
+            return known[type(layer)].from_config({**config, "process_set": process_set})
         return layer.__class__.from_config(config)
 
     try:
         new = keras.models.clone_model(model, clone_function=clone, recursive=True)
+    except _UnknownSubclass:
+        raise
     except ValueError as e:  # subclassed models cannot be cloned
         raise ValueError(f"{expected}; build a subclassed model's BN layers as "
                          f"SyncBatchNormalization instead ({e})") from e
