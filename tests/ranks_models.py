@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import copy
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -203,3 +205,10 @@ def test_conversion_keeps_device_dtype_training_and_requires_grad():
     assert model[0].weight.dtype == torch.float64 and model[0].weight.device.type == "cpu"
     assert not model[0].training and not model[0].bias.requires_grad and model[0].weight.requires_grad
     assert model[0].weight is params[0] and model[1].running_mean is params[1], "state not carried over as is"
+
+
+def test_importing_the_adapter_imports_neither_timm_nor_torchvision():
+    code = "import sys, hvd_syncbn.torch; print(sorted({'timm', 'torchvision'} & set(sys.modules)))"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "PMIX_", "HOROVOD_"))}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and out.stdout.strip() == "[]", out.stdout + out.stderr[-2000:]

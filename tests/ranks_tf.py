@@ -444,6 +444,15 @@ def test_model_fit_matches_one_process(opt):
     assert np.allclose(loss, loss[0]), f"MetricAverageCallback left per-rank losses {loss}"
 
 
+def test_converted_renorm_model_fits_like_one_process():
+    """Unequal shards, op=Sum: renorm's statistics (and so r, d) follow the global batch."""
+    def make():
+        return small_model(lambda name: keras.layers.BatchNormalization(
+            renorm=True, renorm_clipping=dict(rmax=1.5, rmin=0.7, dmax=0.5), renorm_momentum=0.8, name=name))
+
+    fit_like_one_process(make, OPTIMIZERS["sgd"], (8, 8, 3), 4, pattern=UNEQUAL)
+
+
 def test_converted_keras_application_fits_like_one_process():
     def make():
         return keras.applications.MobileNetV2(input_shape=(32, 32, 3), alpha=0.35, weights=None, classes=3)

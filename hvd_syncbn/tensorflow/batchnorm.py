@@ -488,9 +488,9 @@ class SyncBatchNormalization(keras.layers.BatchNormalization):
                 [x], gamma, beta, axes, self.epsilon, self.name, self.process_set, [mask], self.comm,
                 self.check_finite, self._renorm_correction if self.renorm else None,
             )
-            # After the output: in a tf.function, renorm's reads of renorm_mean and
-            # renorm_stddev (inside the custom gradient) are not otherwise ordered first.
-            with tf.control_dependencies([y]):
+            # Renorm's updates wait for the output: in a tf.function, its reads of renorm_mean
+            # and renorm_stddev (inside the custom gradient) are not otherwise ordered first.
+            with tf.control_dependencies([y] if self.renorm else []):
                 self._update_moving(mean, var, total[0] > 0)
         else:  # multi-axis inference
             mean, var = (tf.cast(v, x.dtype) for v in (self.moving_mean, self.moving_variance))
@@ -508,9 +508,9 @@ class SyncBatchNormalization(keras.layers.BatchNormalization):
     def _update_moving(self, mean: tf.Tensor, var: tf.Tensor, some: tf.Tensor) -> None:
         """Keras's moving-statistics updates from the global batch statistics (renorm's
         too), unless the global batch was empty (``some`` false)."""
-        stddev = tf.sqrt(var + self.epsilon)
         updates = [(self.moving_mean, mean, self.momentum)]
         if self.renorm:
+            stddev = tf.sqrt(var + self.epsilon)
             updates += [(self.moving_stddev, stddev, self.momentum), (self.renorm_mean, mean, self.renorm_momentum),
                         (self.renorm_stddev, stddev, self.renorm_momentum)]
         else:
