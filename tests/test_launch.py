@@ -102,3 +102,33 @@ def test_suite(launcher, np_, suite):
                          ids=[f"{s.split('/')[-1][:-3]}-{l}-{n}-{c or 'auto'}" for s, l, n, c in OTHER_PATHS])
 def test_suite_over_other_transports(suite, launcher, np_, comm):
     run_suite(launcher, np_, suite, comm)  # each suite asserts that its layers use ``comm`` (if set)
+
+
+NO_HOROVOD = """
+import sys
+sys.modules["horovod"] = None  # as if Horovod were not installed
+import numpy as np, keras
+import hvd_syncbn.tensorflow as h
+from mpi4py import MPI
+rank, world = MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
+x_all = np.random.default_rng(0).standard_normal((7, 3)).astype("float32")
+y = h.SyncBatchNormalization(name="bn")(np.array_split(x_all, world)[rank], training=True)
+want = np.array_split(keras.layers.BatchNormalization(dtype="float64")(x_all, training=True), world)[rank]
+assert np.abs(np.asarray(y) - want).max() < 1e-5, np.abs(np.asarray(y) - want).max()
+try:
+    h.DistributedOptimizer(keras.optimizers.SGD())
+except ImportError as e:
+    assert "DistributedOptimizer needs Horovod" in str(e), e
+else:
+    raise AssertionError("DistributedOptimizer without Horovod did not raise")
+print(f"rank {rank}: ok")
+"""
+
+
+def test_keras_layer_runs_over_mpi_without_horovod():
+    """hvd_syncbn.tensorflow imports and synchronises over MPI where Horovod is missing;
+    what needs Horovod says so."""
+    cmd = launch_command("mpirun", 2) + [sys.executable, "-c", NO_HOROVOD]
+    out = subprocess.run(cmd, cwd=ROOT, env=clean_env(), capture_output=True, text=True, timeout=TIMEOUT_S)
+    log = out.stdout + out.stderr
+    assert out.returncode == 0 and log.count(": ok") == 2, log[-4000:]

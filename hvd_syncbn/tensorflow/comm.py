@@ -88,8 +88,17 @@ class HorovodComm(base.Communicator):
         hvd.shutdown()
 
 
+def horovod(what: str) -> Any:
+    """``horovod.tensorflow``, or an ``ImportError`` saying that ``what`` needs it."""
+    if hvd is None:
+        raise ImportError(f"{what} needs Horovod (horovod.tensorflow), which is not installed here; "
+                          "launch/install.sh builds it")
+    return hvd
+
+
 def resolve_process_set(process_set: Any) -> Any:
     """A registered Horovod process set from ``None`` (all ranks), a set, or its ranks."""
+    horovod("a Horovod process set")
     if process_set is None:
         return hvd.global_process_set
     if isinstance(process_set, _process_sets.ProcessSet):

@@ -16,9 +16,7 @@ from typing import Any
 import keras
 import tensorflow as tf
 
-from .comm import resolve_process_set
-
-import horovod.tensorflow as hvd
+from .comm import horovod, resolve_process_set
 
 
 def DistributedOptimizer(optimizer: keras.optimizers.Optimizer, op: Any = None,
@@ -47,6 +45,7 @@ def DistributedOptimizer(optimizer: keras.optimizers.Optimizer, op: Any = None,
         An optimizer of a subclass of ``type(optimizer)`` with the same configuration.
         It saves as the plain class, so checkpoints load without Horovod.
     """
+    hvd = horovod("DistributedOptimizer")
     op = hvd.Average if op is None else op
     if op not in (hvd.Average, hvd.Sum):
         raise ValueError(f"DistributedOptimizer: expected op hvd.Average or hvd.Sum, got {op!r}")
@@ -65,7 +64,7 @@ def DistributedOptimizer(optimizer: keras.optimizers.Optimizer, op: Any = None,
 
 
 def _allreduce_grads(grads, op, process_set):
-    ps = resolve_process_set(process_set)
+    hvd, ps = horovod("DistributedOptimizer"), resolve_process_set(process_set)
     if ps.size() == 1:
         return grads
     grads = list(grads)
@@ -98,7 +97,7 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
 
 def broadcast_variables(model: keras.Model, root_rank: int = 0, process_set: Any = None) -> None:
     """Copy ``model``'s variables and its optimizer's (built if needed) from ``root_rank``."""
-    ps = resolve_process_set(process_set)
+    hvd, ps = horovod("broadcast_variables"), resolve_process_set(process_set)
     variables = list(model.variables)
     optimizer = getattr(model, "optimizer", None)
     if optimizer is not None:
@@ -123,6 +122,7 @@ class MetricAverageCallback(keras.callbacks.Callback):
             return
         keys = sorted(k for k, v in logs.items() if isinstance(v, (int, float)) or hasattr(v, "dtype"))
         values = tf.stack([tf.cast(logs[k], tf.float64) for k in keys])
+        hvd = horovod("MetricAverageCallback")
         averaged = hvd.allreduce(values, op=hvd.Average, name="hvd_syncbn.metrics",
                                  process_set=resolve_process_set(self.process_set)).numpy()
         logs.update({k: float(v) for k, v in zip(keys, averaged)})
