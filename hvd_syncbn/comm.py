@@ -2,10 +2,9 @@
 
 A :class:`Communicator` sums a float64 numpy buffer over the ranks asynchronously
 (``start``, ``done``, ``result``); the adapters keep the per-channel statistics on the
-host in numpy, where a small op costs about a microsecond. Three transports exist:
-Horovod (the default; its background loop handles a collective on its next cycle,
-``HOROVOD_CYCLE_TIME``), MPI through mpi4py (point-to-point recursive doubling straight
-on the buffer: microseconds for a few KB) and, for PyTorch, ``torch.distributed``. The
+host in numpy. Three transports exist: Horovod (its background loop handles a collective
+on its next cycle, ``HOROVOD_CYCLE_TIME``), MPI through mpi4py (``Iallreduce``) and, for
+PyTorch, ``torch.distributed``. The
 adapters build them; this module is framework-free.
 
 Every buffer starts with a two-value identity header ``[h, h²]``, ``h`` a hash of the
@@ -38,7 +37,7 @@ TIMEOUT_ENV = "HVD_SYNCBN_TIMEOUT"
 COMM_ENV = "HVD_SYNCBN_COMM"
 KINDS = ("auto", "horovod", "mpi", "torch")
 HEADER = 2
-RECORD_BYTES = 384
+RECORD_BYTES = 1024
 _timeout: Optional[float] = None
 
 
@@ -138,6 +137,13 @@ class Communicator:
     def start(self, buf: np.ndarray, name: str) -> Any:
         """Begin summing ``buf`` (which may be reused as the output); return a handle."""
         raise NotImplementedError
+
+    def start_gather(self, row: np.ndarray) -> Any:
+        """Begin gathering every rank's ``row`` (equal sizes) into a ``(size, len)``
+        table; here, as the sum of a zero table holding this rank's row."""
+        table = np.zeros((self.size, row.size), dtype=np.float64)
+        table[self.rank] = row
+        return self.start(table.reshape(-1), "hvd_syncbn.diagnose")
 
     def done(self, handle: Any) -> bool:
         raise NotImplementedError
@@ -261,33 +267,39 @@ def allreduce(comm: Communicator, payload: np.ndarray, call: Call, name: str) ->
     return out[HEADER:]
 
 
-def poison(comm: Communicator, payload: np.ndarray, call: Call, name: str, problem: str) -> None:
-    """Join the collective this rank owes with a header no peer can match, so that every
-    rank fails together and learns ``problem`` (e.g. this rank's bad input) instead of
-    waiting for it."""
+def poison(comm: Communicator, call: Call, name: str, problem: str, error: type = SyncBatchNormInputError,
+           cause: Optional[BaseException] = None) -> None:
+    """Join the forward collective this rank owes (``2·call.channels + 1`` values, as
+    :func:`hvd_syncbn.backend.pack_moments` packs) with a header no peer can match, so
+    that every rank fails together and learns ``problem`` instead of waiting for it.
+
+    Raises ``error`` here (:class:`SyncBatchNormInputError` for this rank's bad input),
+    chained to ``cause``; the peers raise :class:`SyncBatchNormError` naming this rank
+    and ``problem``.
+    """
     call.rank, call.problem = comm.rank, problem
     head, since = [-1.0, 1.0], time.monotonic()
     stuck = True
     try:
-        handle = comm.start(prepend(head, payload), name)
+        handle = comm.start(prepend(head, np.zeros(2 * call.channels + 1)), name)
         stuck = not _wait(comm, handle, since + get_timeout())
         comm.result(handle)
     except Exception:  # noqa: BLE001 - the diagnosis below says what happened
         pass
-    fail(comm, call, problem, SyncBatchNormInputError, since=since, stuck=stuck)
+    fail(comm, call, problem, error, since=since, stuck=stuck, cause=cause)
 
 
 def _exchange(comm: Communicator, call: Call, deadline: float) -> Optional[List[Call]]:
     """Every answering rank's :class:`Call`, over the side channel; ``None`` if some
     rank did not join before ``deadline``."""
-    record = json.dumps(asdict(call)).encode()[:RECORD_BYTES]
-    rows = np.zeros((comm.size, RECORD_BYTES), dtype=np.float64)
-    rows[comm.rank, : len(record)] = np.frombuffer(record, dtype=np.uint8)
+    row = np.zeros(RECORD_BYTES, dtype=np.uint8)
+    record = _record(call)
+    row[: len(record)] = np.frombuffer(record, dtype=np.uint8)
     try:
-        handle = comm.start(rows.reshape(-1), "hvd_syncbn.diagnose")
+        handle = comm.start_gather(row)
         if not _wait(comm, handle, deadline):
             return None
-        table = comm.result(handle).reshape(comm.size, RECORD_BYTES)
+        table = np.asarray(comm.result(handle)).reshape(comm.size, RECORD_BYTES)
     except Exception:  # noqa: BLE001 - no answer is the answer
         return None
     calls = []
@@ -298,6 +310,17 @@ def _exchange(comm: Communicator, call: Call, deadline: float) -> Optional[List[
         except (ValueError, TypeError):
             return None
     return calls
+
+
+def _record(call: Call) -> bytes:
+    """``call`` as JSON of at most :data:`RECORD_BYTES`, its ``problem`` cut to fit."""
+    fields = asdict(call)
+    record = json.dumps(fields).encode()
+    while len(record) > RECORD_BYTES and fields["problem"]:
+        keep = max(0, len(fields["problem"]) - (len(record) - RECORD_BYTES) - len(" [cut]"))
+        fields["problem"] = fields["problem"][:keep] + " [cut]" if keep else ""
+        record = json.dumps(fields).encode()
+    return record[:RECORD_BYTES]
 
 
 def describe(calls: Optional[List[Call]], me: Call, size: int, reason: str) -> str:
@@ -329,9 +352,10 @@ _aborted: List[Communicator] = []
 
 
 def fail(comm: Communicator, call: Call, reason: str, error: type = SyncBatchNormError,
-         since: Optional[float] = None, stuck: bool = False) -> None:
-    """Diagnose over the side channel, raise on this rank; if a collective is ``stuck``
-    (timed out, or its transport failed), stop the transport at exit.
+         since: Optional[float] = None, stuck: bool = False, cause: Optional[BaseException] = None) -> None:
+    """Diagnose over the side channel, raise ``error`` (chained to ``cause``) on this
+    rank; if a collective is ``stuck`` (timed out, or its transport failed), stop the
+    transport at exit.
 
     The diagnosis waits until 1.5 timeouts after ``since`` (the collective's start), so a
     rank that failed at once still meets the peers that fail by timing out.
@@ -343,7 +367,7 @@ def fail(comm: Communicator, call: Call, reason: str, error: type = SyncBatchNor
     if stuck and not _aborted:
         _aborted.append(comm)
         atexit.register(_abort_at_exit)
-    raise error(message)
+    raise error(message) from cause
 
 
 def _abort_at_exit() -> None:
@@ -360,12 +384,9 @@ class MpiCommunicator(Communicator):
     """mpi4py on a duplicate of ``MPI.COMM_WORLD`` (or of a group of it), with a second
     duplicate for diagnostics. ``comm``: use this MPI communicator as it is.
 
-    The sum is a :class:`_Reduction` of point-to-point messages, not MPI's nonblocking
-    ``Iallreduce``: with Horovod's thread in MPI at the same time, plain
-    ``Isend``/``Irecv`` is the best-trodden path, while Open MPI's nonblocking collectives
-    (libnbc) have a history of thread-safety bugs (open-mpi/ompi#2427). The multi-host
-    stalls first blamed on ``Iallreduce`` turned out to be the test's emulated hosts
-    starving each other of CPU (see ``launch/netns_hosts.sh``)."""
+    Sums are MPI's own nonblocking ``Iallreduce`` (in place), and the diagnosis an
+    ``Iallgather``, polled with ``Test`` against the deadline: the MPI library picks the
+    algorithm for the network it runs on (shared memory, UCX, collective offload)."""
 
     kind = "mpi"
     spins = 2000
@@ -388,10 +409,14 @@ class MpiCommunicator(Communicator):
 
     def start(self, buf, name):
         arr = np.ascontiguousarray(buf, dtype=np.float64)
-        return arr, _Reduction(self.comm, arr, self._mpi.Request.Testall)
+        return arr, self.comm.Iallreduce(self._mpi.IN_PLACE, arr, op=self._mpi.SUM)
+
+    def start_gather(self, row):
+        table = np.empty((self.size, row.size), dtype=row.dtype)
+        return table, self.comm.Iallgather(np.ascontiguousarray(row), table)
 
     def done(self, handle):
-        return handle[1].test()
+        return handle[1].Test()
 
     def result(self, handle):
         return handle[0]
@@ -401,51 +426,6 @@ class MpiCommunicator(Communicator):
 
     def abort(self):
         self._mpi.COMM_WORLD.Abort(1)
-
-
-_FOLD, _ROUND, _BACK = 31, 32, 33  # message tags of the three kinds of step
-
-
-class _Reduction:
-    """One in-place sum of ``arr`` over ``comm``'s ranks by recursive doubling, the
-    algorithm MPI itself uses for small buffers: ``log2 W`` rounds in which partners
-    swap partial sums; with ``W`` not a power of two, the ranks above the largest power
-    ``P`` first hand their buffer to rank ``r − P`` and get the result back. Partners add
-    the same two values (``a + b == b + a``), so every rank ends bitwise equal.
-    ``test`` advances it without blocking; each step waits on its own requests only."""
-
-    def __init__(self, comm: Any, arr: np.ndarray, testall: Callable) -> None:
-        self._testall = testall
-        self._steps = self._plan(comm, arr)
-        self._requests = next(self._steps, None)
-
-    @staticmethod
-    def _plan(comm: Any, arr: np.ndarray):
-        rank, size = comm.Get_rank(), comm.Get_size()
-        power = 1 << (size.bit_length() - 1)
-        if rank >= power:
-            yield [comm.Isend(arr, rank - power, _FOLD)]
-            yield [comm.Irecv(arr, rank - power, _BACK)]
-            return
-        other = np.empty_like(arr)
-        folded = rank + power < size
-        if folded:
-            yield [comm.Irecv(other, rank + power, _FOLD)]
-            arr += other
-        mask = 1
-        while mask < power:
-            yield [comm.Isend(arr, rank ^ mask, _ROUND), comm.Irecv(other, rank ^ mask, _ROUND)]
-            arr += other
-            mask <<= 1
-        if folded:
-            yield [comm.Isend(arr, rank + power, _BACK)]
-
-    def test(self) -> bool:
-        while self._requests is not None:
-            if not self._testall(self._requests):
-                return False
-            self._requests = next(self._steps, None)
-        return True
 
 
 def mpi_communicator(layer: str, horovod: Optional[Tuple[int, int]], ranks: Optional[List[int]]) -> MpiCommunicator:

@@ -115,17 +115,54 @@ def test_a_silent_rank_times_out_and_the_others_say_so():
     assert time.monotonic() - start <= 2 * 0.5 + 0.5
 
 
+def forward_payload(channels: int = 2) -> list:
+    """What a layer's forward collective sums: ``2C+1`` values."""
+    return [1.0] * (2 * channels + 1)
+
+
 def test_poisoned_rank_names_its_problem_on_every_rank():
     def fn(r, c):
         if r == 1:
-            comm.poison(c, np.zeros(2), call("bn"), "n.bn",
-                        "bn: expected 4 channels on axis 1, got 3")
-        return reduce(c, "bn", [1.0, 2.0])
+            comm.poison(c, call("bn"), "n.bn", "bn: expected 4 channels on axis 1, got 3")
+        return reduce(c, "bn", forward_payload())
 
     out = run(3, fn)
     assert isinstance(out[1], comm.SyncBatchNormInputError) and isinstance(out[1], ValueError)
-    for e in out:
+    for r, e in enumerate(out):
+        assert isinstance(e, comm.SyncBatchNormError), e
         assert "rank 1: bn: expected 4 channels on axis 1, got 3" in str(e), e
+        assert (r == 1) == isinstance(e, comm.SyncBatchNormInputError), f"rank {r}: {type(e).__name__}"
+
+
+def test_a_problem_of_1000_characters_reaches_every_rank():
+    """The record's problem is cut to fit the diagnosis record; the JSON never is."""
+    problem = "bn: CUDA out of memory. " + "Tried to allocate 2.00 GiB; " * 35  # 1000 characters
+    problem = problem[:1000]
+
+    def fn(r, c):
+        if r == 0:
+            comm.poison(c, call("bn"), "n.bn", problem)
+        return reduce(c, "bn", forward_payload())
+
+    out = run(3, fn)
+    for r, e in enumerate(out):
+        assert isinstance(e, comm.SyncBatchNormError), e
+        assert "did not answer" not in str(e), str(e)
+        assert f"rank 0: {problem[:200]}" in str(e), f"rank {r}: {e}"
+    assert problem in str(out[0]), "the rank with the problem states it whole"
+
+
+def test_a_failure_that_is_not_bad_input_chains_the_real_exception():
+    def fn(r, c):
+        if r == 1:
+            err = MemoryError("out of memory allocating 2 GiB")
+            comm.poison(c, call("bn"), "n.bn", f"bn: MemoryError: {err}", comm.SyncBatchNormError, cause=err)
+        return reduce(c, "bn", forward_payload())
+
+    out = run(2, fn)
+    assert type(out[1]) is comm.SyncBatchNormError and isinstance(out[1].__cause__, MemoryError)
+    for e in out:
+        assert "rank 1: bn: MemoryError: out of memory allocating 2 GiB" in str(e), e
 
 
 @pytest.mark.parametrize("size", [2, 64, 512, 4096])
@@ -153,75 +190,3 @@ def test_timeout_and_transport_settings_are_validated(monkeypatch):
     with pytest.raises(ValueError, match="HVD_SYNCBN_COMM: expected one of auto, horovod, mpi, torch, got 'nccl'"):
         comm.requested_kind(None)
     assert comm.requested_kind("MPI") == "mpi"
-
-
-class PointToPoint:
-    """Rank ``rank`` of threads exchanging messages the way MPI matches them: in order
-    per (source, destination, tag). Only what :class:`comm._Reduction` calls."""
-
-    class Request:
-        def __init__(self, test):
-            self.test, self.complete = test, False
-
-    def __init__(self, queues: dict, lock: threading.Lock, rank: int, size: int) -> None:
-        self.queues, self.lock, self.rank, self.size = queues, lock, rank, size
-
-    def Get_rank(self):
-        return self.rank
-
-    def Get_size(self):
-        return self.size
-
-    def Isend(self, buf, dest, tag):
-        with self.lock:
-            self.queues.setdefault((self.rank, dest, tag), []).append(np.array(buf))
-        return self.Request(lambda: True)
-
-    def Irecv(self, buf, source, tag):
-        def arrived():
-            with self.lock:
-                queue = self.queues.get((source, self.rank, tag))
-                if not queue:
-                    return False
-                buf[...] = queue.pop(0)
-                return True
-
-        return self.Request(arrived)
-
-    @staticmethod
-    def testall(requests):
-        for r in requests:
-            r.complete = r.complete or r.test()
-        return all(r.complete for r in requests)
-
-
-@pytest.mark.parametrize("size", range(1, 10))
-def test_mpi_reduction_sums_exactly_alike_on_every_rank(size):
-    """Recursive doubling, folding the ranks above a power of two: every rank ends with
-    bitwise the same sum, equal to the exact sum of integers, for three collectives in a
-    row (messages of one collective must not be taken by the next)."""
-    queues, lock = {}, threading.Lock()
-    rng = np.random.default_rng(size)
-    data = rng.standard_normal((3, size, 7))
-
-    def fn(r, _):
-        p2p = PointToPoint(queues, lock, r, size)
-        return np.stack([_reduce_once(p2p, data[k, r].copy()) for k in range(3)])
-
-    out = run(size, fn)
-    for r, got in enumerate(out):
-        assert not isinstance(got, Exception), f"rank {r}: {got!r}"
-        assert np.array_equal(got, out[0]), f"rank {r} differs bitwise from rank 0"
-    assert np.allclose(out[0], data.sum(axis=1), rtol=1e-14, atol=1e-14)
-    counts = rng.integers(0, 1000, (size, 5)).astype(np.float64)  # integers: the sum is exact
-    ints = run(size, lambda r, _: _reduce_once(PointToPoint(queues, lock, r, size), counts[r].copy()))
-    assert all(np.array_equal(i, counts.sum(axis=0)) for i in ints)
-
-
-def _reduce_once(p2p, arr):
-    """``arr`` summed in place over ``p2p``'s ranks; fails if it takes over 10 s."""
-    red, deadline = comm._Reduction(p2p, arr, PointToPoint.testall), time.monotonic() + 10
-    while not red.test():
-        assert time.monotonic() < deadline, f"rank {p2p.rank} stuck in a collective"
-        time.sleep(1e-4)
-    return arr

@@ -463,8 +463,7 @@ class SyncBatchNormalization(keras.layers.BatchNormalization):
             channels = int(np.prod(list(self._channels.values())))
             call = transport.Call(self.name, "fwd", transport.next_step(self.name, "fwd"), channels,
                                   len(inputs.shape), inputs.dtype.name)
-            transport.poison(comm, np.zeros(2 * channels + 1), call, backend.collective_name(self.name, "fwd"),
-                             problem)
+            transport.poison(comm, call, backend.collective_name(self.name, "fwd"), problem)
         raise ValueError(problem)
 
     def call(self, inputs, training=None, mask=None):

@@ -124,11 +124,15 @@ class _SyncBatchNormFn(torch.autograd.Function):
         name = backend.collective_name(layer.layer_name, "fwd")
         try:
             layer._check_input_dim(x)
+        except ValueError as e:  # bad input: every rank fails together, not this one alone
+            transport.poison(comm, _call(layer, "fwd", x), name, str(e))
+        try:
             guess = layer._mean_guess  # the previous global mean, to centre on
             usable = guess is not None and guess.dtype == acc and guess.device == x.device
             mean, var = _local_moments(x, acc, guess if usable else None)
-        except Exception as e:  # noqa: BLE001 - every rank fails together, not this one alone
-            transport.poison(comm, np.zeros(2 * layer.num_features + 1), _call(layer, "fwd", x), name, str(e))
+        except Exception as e:  # noqa: BLE001 - e.g. out of memory: release the peers, raise it here
+            transport.poison(comm, _call(layer, "fwd", x), name, f"{type(e).__name__}: {e}",
+                             transport.SyncBatchNormError, cause=e)
         count = np.array([_rows(x)], dtype=np.float64)
         total, g_mean, g_var = backend.sync_moments(
             backend.NUMPY_OPS, _allreduce_sum(comm, _call(layer, "fwd", x)), name, count, mean, var
