@@ -155,8 +155,7 @@ def counts_section(res: dict) -> str:
     parts.append(table(head, rows) if rows else "(no counting job succeeded)")
     parts.append("\nExpected from the designs: ours 2 collectives of (2C+3)·8 + (2C+2)·8 = 32C+40 B; "
                  "hand-written 3 forward (4 B + 4C + 4C) and 2 autograd backward (4C each) = 16C+4 B in 5 calls; "
-                 "local 0. Over MPI each of ours' two allreduces is recursive doubling by point-to-point "
-                 "messages: log2(W) sends of the whole buffer per rank, so 1 send each at 2 ranks (\"MPI sends\"). "
+                 "local 0. Over MPI each of ours' two allreduces is one MPI `Iallreduce` of the whole buffer. "
                  "`barrier` calls of the benchmark itself are left out.")
     tfc = [(k[6:], v) for k, v in res.get("tf_layers", {}).items() if k.startswith("count ") and "error" not in v]
     if tfc:
