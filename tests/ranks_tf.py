@@ -24,7 +24,7 @@ from hvd_syncbn.tensorflow import (  # noqa: E402
     BroadcastGlobalVariablesCallback, DistributedOptimizer, MetricAverageCallback, SyncBatchNormalization,
     convert_sync_batchnorm, sync_batch_normalization,
 )
-from oracle import EMPTY, UNEQUAL, assert_close, global_batch, shard_sizes, shard_slice  # noqa: E402
+from oracle import EMPTY, UNEQUAL, assert_close, global_batch, rank_tmp, shard_sizes, shard_slice  # noqa: E402,F401
 
 os.environ.setdefault("HOROVOD_TIMELINE", "DYNAMIC")
 # Two logical CPUs: the towers and tf.distribute replicas of the in-process tests.
@@ -325,14 +325,14 @@ def test_converter_rejects_what_it_cannot_convert():
         convert_sync_batchnorm(keras.layers.Dense(3))
 
 
-def test_keras_file_saved_here_loads_in_a_plain_process(tmp_path_factory):
+def test_keras_file_saved_here_loads_in_a_plain_process(rank_tmp):
     keras.utils.set_random_seed(0)
     model = small_model(SyncBatchNormalization)
     sizes = shard_sizes(UNEQUAL, WORLD)
     x_all = global_batch(11, sum(sizes), (8, 8, 3))
     model(x_all[shard_slice(sizes, RANK)], training=True)  # synchronised moving statistics
     model.compile(optimizer=DistributedOptimizer(keras.optimizers.Adam()), loss="mse")  # saved with it
-    path = tmp_path_factory.mktemp(f"save{RANK}") / "model.keras"
+    path = rank_tmp / "model.keras"
     model.save(path)
     want = model.predict(x_all, verbose=0)
     code = (
@@ -364,7 +364,8 @@ def test_bad_input_names_layer(x, match):
 
 @pytest.mark.parametrize("kwargs, match", [(dict(momentum=1.5), r"momentum in \[0, 1\]"),
                                            (dict(epsilon=0.0), "epsilon > 0"),
-                                           (dict(renorm=True, renorm_clipping={"rmax": 1.0, "rmin": 2.0}), "rmax should"),
+                                           (dict(renorm=True, renorm_clipping={"rmax": 1.0, "rmin": 2.0}),
+                                            "rmax should"),
                                            (dict(comm="nccl"), "comm: expected one of auto, horovod, mpi")])
 def test_bad_arguments(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -565,14 +566,14 @@ def test_mirrored_strategy_replicas_and_ranks_sync_together():
     assert_close(bn.moving_variance, var_ref, "moving variance = global batch variance")
 
 
-def test_gradients_travel_in_few_collectives_not_one_per_variable(tmp_path_factory):
+def test_gradients_travel_in_few_collectives_not_one_per_variable(rank_tmp):
     """Counted in Horovod's timeline: distinct collective executions for the gradients."""
     keras.utils.set_random_seed(0)
     model = convert_sync_batchnorm(small_model())
     model.compile(optimizer=DistributedOptimizer(keras.optimizers.SGD(0.01)), loss="mse")
     x, y = global_batch(80, 4, (8, 8, 3)), global_batch(81, 4, (4,))
     model.fit(x, y, batch_size=2, verbose=0)  # trace and warm up
-    path = str(tmp_path_factory.mktemp(f"tl{RANK}") / "timeline.json")
+    path = str(rank_tmp / "timeline.json")
     hvd.start_timeline(path, mark_cycles=False)
     model.fit(x, y, batch_size=2, verbose=0)  # 2 steps
     hvd.allreduce(tf.ones(1), name="test.flush")

@@ -18,7 +18,7 @@ from torch import nn
 from hvd_syncbn.torch import SyncBatchNorm, convert_sync_batchnorm, revert_sync_batchnorm
 from hvd_syncbn.torch import batchnorm
 from hvd_syncbn.torch.batchnorm import _CENTRED_FROM, _local_moments, _shifted_sums
-from oracle import EMPTY, UNEQUAL, assert_close, global_batch, shard_sizes, shard_slice
+from oracle import EMPTY, UNEQUAL, assert_close, global_batch, rank_tmp, shard_sizes, shard_slice  # noqa: F401
 
 hvd = pytest.importorskip("horovod.torch")
 
@@ -277,9 +277,9 @@ def test_process_set_syncs_only_within_itself():
             hvd.remove_process_set(ps)
 
 
-def test_exactly_one_allreduce_per_direction_per_layer(tmp_path_factory):
+def test_exactly_one_allreduce_per_direction_per_layer(rank_tmp):
     """Counted in Horovod's own timeline: 2 layers, fwd+bwd -> 2 + 2 allreduces."""
-    path = str(tmp_path_factory.mktemp(f"timeline{RANK}") / "timeline.json")
+    path = str(rank_tmp / "timeline.json")
     layers = [SyncBatchNorm(4, name=f"count.{k}", comm="horovod") for k in "ab"]
     model = nn.Sequential(layers[0], nn.ReLU(), layers[1])
     x = torch.randn(3, 4, 5, 5, requires_grad=True)
@@ -407,3 +407,27 @@ def test_transport_follows_the_documented_rule():
     want = os.environ.get("HVD_SYNCBN_COMM") or ("mpi" if comm.launched_by_mpirun() else "horovod")
     chosen = SyncBatchNorm(4, name="rule.bn")._comm()
     assert (chosen is None) == (WORLD == 1) and (chosen is None or chosen.kind == want), (chosen, want)
+
+
+def test_a_failure_that_is_not_bad_input_is_raised_from_the_real_error(monkeypatch):
+    """Out of memory (say) while rank 0 takes its local moments: every rank raises
+    SyncBatchNormError naming rank 0 and the error, none calls it bad input, and rank 0's
+    is raised from the original exception. Alone, the layer is plain BN and never gets
+    there."""
+    from hvd_syncbn import SyncBatchNormError, SyncBatchNormInputError
+
+    def out_of_memory(*args):
+        raise MemoryError("could not allocate 2 GiB")
+
+    bn = SyncBatchNorm(4, name="oom.bn")
+    if RANK == 0:
+        monkeypatch.setattr(batchnorm, "_local_moments", out_of_memory)
+    x = torch.from_numpy(global_batch(21, 3, (4, 2, 2)))
+    if WORLD == 1:
+        assert_close(bn(x), nn.BatchNorm2d(4)(x), "alone: plain BN")
+        return
+    with pytest.raises(SyncBatchNormError) as info:
+        bn(x)
+    assert not isinstance(info.value, SyncBatchNormInputError), info.value
+    assert "rank 0: oom.bn: MemoryError: could not allocate 2 GiB" in str(info.value), info.value
+    assert (RANK == 0) == isinstance(info.value.__cause__, MemoryError), repr(info.value.__cause__)

@@ -87,7 +87,8 @@ def run_suite(launcher: str, np_: int, suite: str, comm: str = "") -> str:
 RUNS = [("plain", 1), ("horovodrun-gloo", 2), ("mpirun", 2), ("horovodrun-gloo", 3), ("mpirun", 3)]
 # The other transports: Horovod's MPI controller under mpirun, torch.distributed (Gloo).
 OTHER_PATHS = [("tests/ranks_torch.py", "mpirun", 2, "horovod"), ("tests/ranks_tf.py", "mpirun", 2, "horovod"),
-               ("tests/ranks_torch.py", "horovodrun-gloo", 2, "torch"), ("tests/ranks_props.py", "mpirun", 2, "horovod"),
+               ("tests/ranks_torch.py", "horovodrun-gloo", 2, "torch"),
+               ("tests/ranks_props.py", "mpirun", 2, "horovod"),
                # Keras's own BN tests with our layer swapped in, at 2 ranks on both default transports.
                ("tests/ranks_keras_bn.py", "mpirun", 2, ""), ("tests/ranks_keras_bn.py", "horovodrun-gloo", 2, "")]
 

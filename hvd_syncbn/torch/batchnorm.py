@@ -131,7 +131,7 @@ class _SyncBatchNormFn(torch.autograd.Function):
             usable = guess is not None and guess.dtype == acc and guess.device == x.device
             mean, var = _local_moments(x, acc, guess if usable else None)
         except Exception as e:  # noqa: BLE001 - e.g. out of memory: release the peers, raise it here
-            transport.poison(comm, _call(layer, "fwd", x), name, f"{type(e).__name__}: {e}",
+            transport.poison(comm, _call(layer, "fwd", x), name, f"{layer.layer_name}: {type(e).__name__}: {e}",
                              transport.SyncBatchNormError, cause=e)
         count = np.array([_rows(x)], dtype=np.float64)
         total, g_mean, g_var = backend.sync_moments(
