@@ -91,7 +91,9 @@ class Waits:
 
 
 def comms(comm_module, world, rank, waits):
-    return {"local": comm_module.LocalCommunicator(world, rank), "mpi": waits.timed(comm_module.MpiCommunicator)(),
+    from hvd_syncbn.transports import MpiCommunicator
+
+    return {"local": comm_module.LocalCommunicator(world, rank), "mpi": waits.timed(MpiCommunicator)(),
             "horovod": "horovod"}
 
 

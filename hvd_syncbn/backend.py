@@ -1,28 +1,42 @@
-"""Framework-free core of synchronized batch normalization.
+"""Framework-free core of synchronized batch normalization: the whole algorithm.
 
-Every rank packs per-channel ``[count, Σx, Σx²]`` into one buffer and sums it with one
-allreduce in the forward pass; the backward pass does the same with ``[Σdy, Σdy·x̂]``.
-The adapters (:mod:`hvd_syncbn.torch`, :mod:`hvd_syncbn.tensorflow`) hand in their
-tensor ops as ``xp`` and their ``allreduce_sum``; all shared math lives here.
+Forward, per layer and step, on every rank (with zero rows too):
 
-Numerics: each rank computes its local mean and biased variance with its framework's
-stable kernel; the buffer holds ``n·mean`` and ``n·(var + mean²)`` in float64, so the
-global variance ``Σx²/N − mean²`` loses about ``1e-16·(|mean|/std)²`` relative accuracy
-(``1e-6`` at mean 1e4, std 0.1), far below what float32 data can resolve. One more
-error source is the local mean's own float32 rounding (``6e-8·|mean|``), which enters
-the spread *between* ranks' means; where ``|mean| > MEAN_RATIO_FOR_FLOAT64 · std`` the
-adapters recompute the local mean in float64 (one more pass over that layer's input).
+1. local moments: ``count``, ``mean`` and biased ``var`` per channel
+   (:func:`local_moments`, or an adapter's faster kernel for the same contract);
+2. pack ``[n, n·mean, n·(var + mean²)]`` into one float64 buffer (:func:`pack_moments`);
+3. one summing allreduce of it (the adapter's, behind :mod:`hvd_syncbn.comm`'s header);
+4. global moments ``N``, ``mean``, ``var`` (:func:`unpack_moments`);
+5. normalise ``y = γ·(x − mean)/√(var + ε) + β``, and update the running statistics
+   from ``mean`` and :func:`unbiased` ``var`` by :func:`ema`, unless ``N = 0``.
+
+Backward, with the statistics as constants:
+
+1. local sums ``Σdy`` and ``Σdy·x̂`` per channel;
+2. pack ``[Σdy, Σdy·x̂]`` (:func:`pack_grad_sums`); one summing allreduce;
+3. ``dx = k·dy + s·x̂ + t`` with ``(k, s, t)`` from :func:`input_grad_coeffs`;
+   ``dγ = Σdy·x̂`` and ``dβ = Σdy`` stay local (the optimizer's allreduce sums them).
+
+The adapters (:mod:`hvd_syncbn.torch`, :mod:`hvd_syncbn.tensorflow`) hand in their tensor
+ops as ``xp`` (:class:`ArrayOps`) and their ``allreduce_sum``.
+
+Accuracy: the buffer's variance term ``Σx²/N − mean²`` in float64 loses about
+``1e-16·(|mean|/std)²`` relative, far below what float32 data resolves. A local mean
+rounded to float32 (``6e-8·|mean|``) enters the spread between ranks' means, so where
+``|mean| > MEAN_RATIO_FOR_FLOAT64 · std`` (:func:`needs_float64`) a kernel's local
+moments must be those of :func:`local_moments`.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Protocol, Sequence, Tuple
+from typing import Any, Callable, Optional, Protocol, Sequence, Tuple
 
 import numpy as np
 
 Tensor = Any
 AllreduceSum = Callable[[Tensor, str], Tensor]
-"""``allreduce_sum(buffer, name) -> buffer summed over the ranks``, supplied by an adapter."""
+"""``allreduce_sum(buffer, direction) -> buffer summed over the ranks``, supplied by an
+adapter; ``direction`` is ``"fwd"`` or ``"bwd"``."""
 
 
 class ArrayOps(Protocol):
@@ -30,25 +44,50 @@ class ArrayOps(Protocol):
 
     def concat(self, parts: Sequence[Tensor]) -> Tensor: ...
 
-    def wide(self, x: Tensor) -> Tensor: ...
+    def wide(self, x: Tensor) -> Tensor:
+        """``x`` as float64."""
 
     def maximum(self, x: Tensor, floor: float) -> Tensor: ...
+
+    def sum(self, x: Tensor, axes: Sequence[int]) -> Tensor:
+        """Sum over ``axes``, keeping them as size 1."""
+
+    def flat(self, x: Tensor) -> Tensor:
+        """``x`` as a 1-D tensor."""
+
+    def rows(self, x: Tensor, axes: Sequence[int]) -> Tensor:
+        """The product of ``x``'s sizes on ``axes``, as a float64 ``(1,)`` tensor."""
+
+    def any(self, x: Tensor) -> Any:
+        """Whether any element of the boolean ``x`` is true (a scalar of the framework)."""
+
+    def keep(self, x: Tensor, where: Tensor) -> Tensor:
+        """``x`` where the boolean ``where`` (same shape) holds, else 0 (NaN included)."""
 
 
 class NumpyOps:
     """:class:`ArrayOps` for numpy arrays on the host."""
 
+    concat = staticmethod(np.concatenate)
+    maximum = staticmethod(np.maximum)
+    any = staticmethod(np.any)
+    flat = staticmethod(np.ravel)
+
     @staticmethod
-    def concat(parts: Sequence[np.ndarray]) -> np.ndarray:
-        return np.concatenate(parts)
+    def keep(x: np.ndarray, where: np.ndarray) -> np.ndarray:
+        return np.where(where, x, 0.0)
 
     @staticmethod
     def wide(x: np.ndarray) -> np.ndarray:
         return np.asarray(x, dtype=np.float64)
 
     @staticmethod
-    def maximum(x: np.ndarray, floor: float) -> np.ndarray:
-        return np.maximum(x, floor)
+    def sum(x: np.ndarray, axes: Sequence[int]) -> np.ndarray:
+        return np.sum(x, axis=tuple(axes), keepdims=True)
+
+    @staticmethod
+    def rows(x: np.ndarray, axes: Sequence[int]) -> np.ndarray:
+        return np.array([np.prod([x.shape[a] for a in axes])], dtype=np.float64)
 
 
 NUMPY_OPS = NumpyOps()
@@ -56,23 +95,38 @@ NUMPY_OPS = NumpyOps()
 MEAN_RATIO_FOR_FLOAT64 = 100.0
 
 
-def mean_needs_float64(mean: Tensor, var: Tensor) -> bool:
-    """Whether a float32 local mean is too coarse for the global variance.
+def local_moments(xp: ArrayOps, x: Tensor, axes: Sequence[int],
+                  weights: Optional[Tensor] = None) -> Tuple[Tensor, Tensor, Tensor]:
+    """The reference local moments: count, mean and biased variance per channel.
 
-    Its rounding error ``ε·|mean|`` (ε = 6e-8) shifts the global variance by about
-    ``ε·|mean|/std`` relative; above a ratio of 100 that passes 1e-5.
-    """
-    return bool(((mean * mean) > (MEAN_RATIO_FOR_FLOAT64**2) * var).any())
-
-
-def collective_name(layer: str, direction: str) -> str:
-    """Horovod name of a layer's collective: deterministic, unique, and readable.
+    Two passes in float64: the mean, then the variance of the centred values, so both
+    are float64-accurate whatever the offset. No rows give count 0 and zeros; one row a
+    variance of 0; NaN or Inf propagate to their channels.
 
     Args:
-        layer: the layer's name, identical on every rank (e.g. ``layer1.0.bn1``).
-        direction: ``"fwd"`` or ``"bwd"``.
+        xp: the adapter's :class:`ArrayOps`.
+        x: the input, any rank; ``axes`` are the reduced (non-channel) axes.
+        weights: 0/1 per position, the shape of ``x``; 0 leaves it out. Default: all 1.
+
+    Shape:
+        - Returns ``(1,)``, ``(C,)``, ``(C,)``, float64, with ``C`` the product of the
+          sizes of the axes not in ``axes``.
     """
-    return f"hvd_syncbn.{layer}.{direction}"
+    x = xp.wide(x)
+    count = xp.rows(x, axes) if weights is None else xp.flat(xp.sum(xp.wide(weights), axes))[:1]
+    safe = xp.maximum(count, 1.0)
+    kept = None if weights is None else weights > 0
+    mean = xp.sum(x if kept is None else xp.keep(x, kept), axes) / safe
+    centred = x - mean if kept is None else xp.keep(x - mean, kept)  # a masked NaN stays out
+    return count, xp.flat(mean), xp.flat(xp.sum(centred * centred, axes) / safe)
+
+
+def needs_float64(xp: ArrayOps, mean: Tensor, var: Tensor) -> Any:
+    """Whether a float32 local mean is too coarse for the global variance on some
+    channel: ``|mean| > MEAN_RATIO_FOR_FLOAT64 · std``, where its rounding error
+    ``6e-8·|mean|`` shifts the global variance by more than 1e-5 relative. A framework
+    boolean scalar (``xp.any``)."""
+    return xp.any(mean * mean > (MEAN_RATIO_FOR_FLOAT64**2) * var)
 
 
 def pack_moments(xp: ArrayOps, count: Tensor, mean: Tensor, var: Tensor) -> Tensor:
@@ -100,7 +154,6 @@ def unpack_moments(xp: ArrayOps, buf: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
 def sync_moments(
     xp: ArrayOps,
     allreduce_sum: AllreduceSum,
-    name: str,
     count: Tensor,
     mean: Tensor,
     var: Tensor,
@@ -113,7 +166,6 @@ def sync_moments(
     Args:
         xp: the adapter's :class:`ArrayOps`.
         allreduce_sum: the adapter's summing allreduce.
-        name: the collective's name (see :func:`collective_name`).
         count: local row count per channel, as a 1-element tensor.
         mean: local per-channel mean.
         var: local per-channel biased variance.
@@ -122,7 +174,7 @@ def sync_moments(
         - count: ``(1,)``; mean, var: ``(C,)``.
         - Returns ``(1,)``, ``(C,)``, ``(C,)``, float64.
     """
-    return unpack_moments(xp, allreduce_sum(pack_moments(xp, count, mean, var), name))
+    return unpack_moments(xp, allreduce_sum(pack_moments(xp, count, mean, var), "fwd"))
 
 
 def pack_grad_sums(xp: ArrayOps, sum_dy: Tensor, sum_dy_xhat: Tensor) -> Tensor:
@@ -136,26 +188,27 @@ def unpack_grad_sums(buf: Tensor) -> Tuple[Tensor, Tensor]:
     return buf[:channels], buf[channels:]
 
 
-def sync_grad_sums(
-    xp: ArrayOps, allreduce_sum: AllreduceSum, name: str, sum_dy: Tensor, sum_dy_xhat: Tensor
-) -> Tuple[Tensor, Tensor]:
+def sync_grad_sums(xp: ArrayOps, allreduce_sum: AllreduceSum, sum_dy: Tensor,
+                   sum_dy_xhat: Tensor) -> Tuple[Tensor, Tensor]:
     """Global ``Σdy`` and ``Σdy·x̂`` per channel, with one allreduce of ``(2C,)``."""
-    return unpack_grad_sums(allreduce_sum(pack_grad_sums(xp, sum_dy, sum_dy_xhat), name))
+    return unpack_grad_sums(allreduce_sum(pack_grad_sums(xp, sum_dy, sum_dy_xhat), "bwd"))
 
 
 def input_grad_coeffs(
-    count: Tensor, invstd: Tensor, weight: Tensor | None, sum_dy: Tensor, sum_dy_xhat: Tensor
+    xp: ArrayOps, count: Tensor, invstd: Tensor, weight: Tensor | None, sum_dy: Tensor, sum_dy_xhat: Tensor
 ) -> Tuple[Tensor, Tensor, Tensor]:
     """Per-channel ``(k, s, t)`` with ``dx = k·dy + s·x̂ + t``.
 
     From ``y = w·x̂ + b`` with global statistics:
-    ``dx = w·invstd·(dy − Σdy/N − x̂·Σ(dy·x̂)/N)``, the sums taken over all ranks.
+    ``dx = w·invstd·(dy − Σdy/N − x̂·Σ(dy·x̂)/N)``, the sums taken over all ranks
+    (``s = t = 0`` for an empty global batch, which has no ``dx``).
 
     Shape:
         - count: ``(1,)``; every other argument and result: ``(C,)``.
     """
     k = invstd if weight is None else weight * invstd
-    return k, -k * sum_dy_xhat / count, -k * sum_dy / count
+    safe = xp.maximum(count, 1.0)
+    return k, -k * sum_dy_xhat / safe, -k * sum_dy / safe
 
 
 def unbiased(var: Tensor, count: Tensor) -> Tensor:

@@ -1,11 +1,9 @@
 """How SyncBN's statistics buffers travel between ranks, with a deadline and an identity check.
 
 A :class:`Communicator` sums a float64 numpy buffer over the ranks asynchronously
-(``start``, ``done``, ``result``); the adapters keep the per-channel statistics on the
-host in numpy. Three transports exist: Horovod (its background loop handles a collective
-on its next cycle, ``HOROVOD_CYCLE_TIME``), MPI through mpi4py (``Iallreduce``) and, for
-PyTorch, ``torch.distributed``. The
-adapters build them; this module is framework-free.
+(``start``, ``done``, ``result``). The transports (Horovod, MPI and, for PyTorch,
+``torch.distributed``) and the rule that picks one live in :mod:`hvd_syncbn.transports`
+and the adapters; this module is framework-free.
 
 Every buffer starts with a two-value identity header ``[h, h²]``, ``h`` a hash of the
 layer, direction, step, channel count, input rank and dtype. After the sum every rank
@@ -27,15 +25,13 @@ import os
 import time
 import zlib
 from dataclasses import asdict, dataclass
-from typing import Any, Callable, List, Optional, Tuple
+from typing import Any, List, Optional
 
 import numpy as np
 
 log = logging.getLogger("hvd_syncbn")
 
 TIMEOUT_ENV = "HVD_SYNCBN_TIMEOUT"
-COMM_ENV = "HVD_SYNCBN_COMM"
-KINDS = ("auto", "horovod", "mpi", "torch")
 HEADER = 2
 RECORD_BYTES = 1024
 _timeout: Optional[float] = None
@@ -73,55 +69,6 @@ def get_timeout() -> float:
     if not value > 0:
         raise ValueError(f"{TIMEOUT_ENV}: expected a positive number of seconds, got {raw!r}")
     return value
-
-
-def requested_kind(kind: Any) -> Any:
-    """The transport asked for: the argument (a name, or a :class:`Communicator` to use
-    as it is), else ``$HVD_SYNCBN_COMM``, else ``auto``."""
-    if isinstance(kind, Communicator):
-        return kind
-    if kind is not None and not isinstance(kind, str):
-        raise ValueError(f"comm: expected one of {', '.join(KINDS)} or a Communicator, got {kind!r}")
-    value = (kind or os.environ.get(COMM_ENV) or "auto").lower()
-    if value not in KINDS:
-        source = "comm" if kind else COMM_ENV
-        raise ValueError(f"{source}: expected one of {', '.join(KINDS)}, got {value!r}")
-    return value
-
-
-def launched_by_mpirun() -> bool:
-    """Whether this process was started by an MPI launcher (Open MPI, MPICH/Hydra, PMIx)."""
-    return any(k in os.environ for k in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK"))
-
-
-def choose(kind: Any, horovod: Optional[Tuple[int, int]], process_group: bool = False) -> Tuple[Any, str]:
-    """The documented rule: ``(transport, why)`` for a layer's ``comm`` argument.
-
-    ``horovod`` is Horovod's ``(size, rank)`` if initialised; ``process_group`` says
-    whether a ``torch.distributed`` default group exists. Under ``auto``: torch if a
-    group exists, else MPI if usable, else Horovod, else ``None`` (this process is alone).
-    """
-    want = requested_kind(kind)
-    if want != "auto":
-        return want, "requested"
-    if process_group:
-        return "torch", "a torch.distributed process group exists"
-    why = mpi_usable(*(horovod or (None, None)))
-    if not why:
-        return "mpi", "launched by mpirun with mpi4py"
-    return ("horovod" if horovod else None), why
-
-
-_cache: dict = {}
-
-
-def cached(key: Any, build: Callable[[], "Communicator"], why: str) -> "Communicator":
-    """One communicator per ``key`` per process; the first one built is logged on rank 0."""
-    if key not in _cache:
-        _cache[key] = build()
-        if len(_cache) == 1 and _cache[key].rank == 0:
-            log.warning("hvd_syncbn: statistics travel over %s (%s; set %s to change)", key[0], why, COMM_ENV)
-    return _cache[key]
 
 
 class Communicator:
@@ -204,6 +151,11 @@ class Call:
     rank: int = 0
     problem: str = ""
 
+    @property
+    def name(self) -> str:
+        """The collective's name: deterministic, unique per layer and direction, readable."""
+        return f"hvd_syncbn.{self.layer}.{self.direction}"
+
     def where(self) -> str:
         way = {"fwd": "forward", "bwd": "backward"}.get(self.direction, self.direction)
         return f"layer {self.layer!r} {way}, step {self.step} ({self.channels} channels, {self.ndim}D {self.dtype})"
@@ -217,14 +169,12 @@ def header(call: Call, world: int) -> List[float]:
     return [h, h * h]
 
 
-_steps: dict = {}
-
-
-def next_step(layer: str, direction: str) -> int:
-    """This process's count of earlier calls of a layer's collective in one direction."""
-    key = (layer, direction)
-    _steps[key] = _steps.get(key, -1) + 1
-    return _steps[key]
+def make_call(comm: Communicator, layer: str, direction: str, channels: int, ndim: int, dtype: str) -> Call:
+    """This rank's identity of ``layer``'s next collective in ``direction`` over ``comm``;
+    its ``step`` counts this process's earlier calls of that collective on ``comm``."""
+    steps = comm.__dict__.setdefault("_steps", {})
+    step = steps[layer, direction] = steps.get((layer, direction), -1) + 1
+    return Call(layer, direction, step, channels, ndim, dtype, comm.rank)
 
 
 _orphans: list = []
@@ -243,16 +193,15 @@ def prepend(head: List[float], payload: np.ndarray) -> np.ndarray:
     return np.concatenate([np.asarray(head, dtype=np.float64), payload])
 
 
-def allreduce(comm: Communicator, payload: np.ndarray, call: Call, name: str) -> np.ndarray:
+def allreduce(comm: Communicator, payload: np.ndarray, call: Call) -> np.ndarray:
     """Sum the float64 ``payload`` over ``comm``'s ranks behind the identity header;
     returns the sum without the header. Raises :class:`SyncBatchNormError` on every rank
     it can reach if the ranks are not in the same collective or one does not answer in
     time."""
-    call.rank = comm.rank
     head = header(call, comm.size)
     timeout, since = get_timeout(), time.monotonic()
     try:
-        handle = comm.start(prepend(head, payload), name)
+        handle = comm.start(prepend(head, payload), call.name)
         if not _wait(comm, handle, since + timeout):
             fail(comm, call, f"no match within {timeout:g} s ({TIMEOUT_ENV})", since=since, stuck=True)
         out = comm.result(handle)
@@ -267,7 +216,7 @@ def allreduce(comm: Communicator, payload: np.ndarray, call: Call, name: str) ->
     return out[HEADER:]
 
 
-def poison(comm: Communicator, call: Call, name: str, problem: str, error: type = SyncBatchNormInputError,
+def poison(comm: Communicator, call: Call, problem: str, error: type = SyncBatchNormInputError,
            cause: Optional[BaseException] = None) -> None:
     """Join the forward collective this rank owes (``2·call.channels + 1`` values, as
     :func:`hvd_syncbn.backend.pack_moments` packs) with a header no peer can match, so
@@ -277,11 +226,11 @@ def poison(comm: Communicator, call: Call, name: str, problem: str, error: type 
     chained to ``cause``; the peers raise :class:`SyncBatchNormError` naming this rank
     and ``problem``.
     """
-    call.rank, call.problem = comm.rank, problem
+    call.problem = problem
     head, since = [-1.0, 1.0], time.monotonic()
     stuck = True
     try:
-        handle = comm.start(prepend(head, np.zeros(2 * call.channels + 1)), name)
+        handle = comm.start(prepend(head, np.zeros(2 * call.channels + 1)), call.name)
         stuck = not _wait(comm, handle, since + get_timeout())
         comm.result(handle)
     except Exception:  # noqa: BLE001 - the diagnosis below says what happened
@@ -378,83 +327,3 @@ def _abort_at_exit() -> None:
             comm.abort()
         except Exception:  # noqa: BLE001 - exiting anyway
             pass
-
-
-class MpiCommunicator(Communicator):
-    """mpi4py on a duplicate of ``MPI.COMM_WORLD`` (or of a group of it), with a second
-    duplicate for diagnostics. ``comm``: use this MPI communicator as it is.
-
-    Sums are MPI's own nonblocking ``Iallreduce`` (in place), and the diagnosis an
-    ``Iallgather``, polled with ``Test`` against the deadline: the MPI library picks the
-    algorithm for the network it runs on (shared memory, UCX, collective offload)."""
-
-    kind = "mpi"
-    spins = 2000
-
-    def __init__(self, ranks: Optional[List[int]] = None, comm: Any = None) -> None:
-        from mpi4py import MPI
-
-        self._mpi = MPI
-        self._side: Communicator = self
-        if comm is None:
-            world = MPI.COMM_WORLD
-            if ranks is None or sorted(ranks) == list(range(world.Get_size())):
-                comm, side = world.Dup(), world.Dup()
-            else:
-                group = world.Get_group().Incl(sorted(ranks))
-                comm, side = world.Create_group(group, tag=1), world.Create_group(group, tag=2)
-            self._side = MpiCommunicator(comm=side)
-        self.comm = comm
-        self.rank, self.size = comm.Get_rank(), comm.Get_size()
-
-    def start(self, buf, name):
-        arr = np.ascontiguousarray(buf, dtype=np.float64)
-        return arr, self.comm.Iallreduce(self._mpi.IN_PLACE, arr, op=self._mpi.SUM)
-
-    def start_gather(self, row):
-        table = np.empty((self.size, row.size), dtype=row.dtype)
-        return table, self.comm.Iallgather(np.ascontiguousarray(row), table)
-
-    def done(self, handle):
-        return handle[1].Test()
-
-    def result(self, handle):
-        return handle[0]
-
-    def side(self):
-        return self._side
-
-    def abort(self):
-        self._mpi.COMM_WORLD.Abort(1)
-
-
-def mpi_communicator(layer: str, horovod: Optional[Tuple[int, int]], ranks: Optional[List[int]]) -> MpiCommunicator:
-    """``MpiCommunicator(ranks)`` if the MPI transport is usable here, else a
-    ``RuntimeError`` saying why."""
-    why = mpi_usable(*(horovod or (None, None)))
-    if why:
-        raise RuntimeError(f"{layer}: comm='mpi' is not usable here: {why}")
-    return MpiCommunicator(ranks)
-
-
-def not_a_member(layer: str, rank: int, ranks: Any) -> ValueError:
-    """The error for a layer built on a rank outside its process set."""
-    return ValueError(f"{layer}: this rank ({rank}) is not in the layer's process set {ranks}; "
-                      f"build the layer only on member ranks")
-
-
-def mpi_usable(expected_size: Optional[int], expected_rank: Optional[int]) -> str:
-    """Why the MPI transport cannot be used here ('' if it can)."""
-    if not launched_by_mpirun():
-        return "not launched by mpirun"
-    try:
-        from mpi4py import MPI
-    except ImportError:
-        return "mpi4py is not installed"
-    if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
-        return "MPI was initialised without MPI_THREAD_MULTIPLE"
-    world = MPI.COMM_WORLD
-    if expected_size is not None and (world.Get_size(), world.Get_rank()) != (expected_size, expected_rank):
-        return (f"Horovod's ranks ({expected_rank} of {expected_size}) are not MPI_COMM_WORLD's "
-                f"({world.Get_rank()} of {world.Get_size()})")
-    return ""

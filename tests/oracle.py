@@ -6,12 +6,9 @@ layer under test and compares with plain BN run on the whole batch in one proces
 
 from __future__ import annotations
 
-import tempfile
-from pathlib import Path
 from typing import List, Sequence
 
 import numpy as np
-import pytest
 
 # Rows per rank for a world of any size: unequal, and (``EMPTY``) with an empty rank.
 UNEQUAL = (3, 5, 2, 4)
@@ -57,12 +54,3 @@ def _numpy(x) -> np.ndarray:
     if hasattr(x, "detach"):
         x = x.detach().cpu().double()
     return np.asarray(x, dtype=np.float64)
-
-
-@pytest.fixture
-def rank_tmp():
-    """A temporary folder of this process's own. (pytest's ``tmp_path`` keeps one numbered
-    base folder and a ``pytest-current`` link per user, which the ranks of a job race to
-    make and clean up: once in 20 multi-host runs a rank failed at exit on that link.)"""
-    with tempfile.TemporaryDirectory() as folder:
-        yield Path(folder)

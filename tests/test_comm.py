@@ -3,84 +3,27 @@
 
 from __future__ import annotations
 
-import threading
 import time
 
 import numpy as np
 import pytest
 
-from hvd_syncbn import comm
+from conftest import collective_timeout, run, world
+from hvd_syncbn import comm, transports
 
 
-class ThreadComm(comm.Communicator):
-    """Rank ``rank`` of a world of threads; the k-th ``start`` of every rank is summed
-    together (matched by order, not name); mismatched sizes fail like MPI truncation."""
-
-    kind = "threads"
-
-    def __init__(self, shared: dict, rank: int, size: int) -> None:
-        self.shared, self.rank, self.size, self.calls = shared, rank, size, 0
-        self.side_comm = None
-
-    def start(self, buf, name):
-        with self.shared["lock"]:
-            slots = self.shared.setdefault(self.calls, {})
-            slots[self.rank] = np.array(buf, dtype=np.float64)
-        self.calls += 1
-        return self.calls - 1
-
-    def done(self, handle):
-        return len(self.shared.get(handle, {})) == self.size
-
-    def result(self, handle):
-        bufs = list(self.shared[handle].values())
-        if len({b.shape for b in bufs}) > 1:
-            raise RuntimeError("truncated: ranks sent different sizes")
-        return np.sum(bufs, axis=0)
-
-    def side(self):
-        return self.side_comm
-
-
-def world(size: int):
-    main, side = {"lock": threading.Lock()}, {"lock": threading.Lock()}
-    comms = [ThreadComm(main, r, size) for r in range(size)]
-    for r, c in enumerate(comms):
-        c.side_comm = ThreadComm(side, r, size)
-    return comms
-
-
-def run(size: int, fn) -> list:
-    """``fn(rank, comm)`` on every rank in threads; each rank's result or exception."""
-    comms, out = world(size), [None] * size
-
-    def target(r):
-        try:
-            out[r] = fn(r, comms[r])
-        except Exception as e:  # noqa: BLE001 - returned for the test to inspect
-            out[r] = e
-
-    threads = [threading.Thread(target=target, args=(r,)) for r in range(size)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=30)
-    return out
-
-
-def call(layer: str, step: int = 0, channels: int = 2, dtype: str = "float32") -> comm.Call:
-    return comm.Call(layer, "fwd", step, channels, 4, dtype)
+def call(layer: str, step: int = 0, channels: int = 2, dtype: str = "float32", rank: int = 0) -> comm.Call:
+    return comm.Call(layer, "fwd", step, channels, 4, dtype, rank)
 
 
 def reduce(c, layer, payload, **kw):
-    return comm.allreduce(c, np.asarray(payload, dtype=np.float64), call(layer, **kw), f"n.{layer}")
+    return comm.allreduce(c, np.asarray(payload, dtype=np.float64), call(layer, rank=c.rank, **kw))
 
 
 @pytest.fixture(autouse=True)
 def short_timeout():
-    comm.set_timeout(0.5)
-    yield
-    comm._timeout = None
+    with collective_timeout(0.5):
+        yield
 
 
 def test_matching_calls_sum_and_strip_the_header():
@@ -92,26 +35,41 @@ def test_matching_calls_sum_and_strip_the_header():
 def test_different_layers_of_equal_size_raise_on_every_rank_naming_both():
     out = run(3, lambda r, c: reduce(c, "head.extra" if r == 0 else "body.bn1", [1.0, 2.0]))
     for r, e in enumerate(out):
-        assert isinstance(e, comm.SyncBatchNormError), e
-        text = str(e)
-        assert f"this is rank {r}" in text and "ranks summed different collectives" in text
-        assert "ranks [0] are waiting in layer 'head.extra' forward, step 0" in text
-        assert "ranks [1, 2] are waiting in layer 'body.bn1' forward, step 0" in text
-        assert "missing there: ranks [1, 2]" in text and "missing there: ranks [0]" in text
+        assert isinstance(e, comm.SyncBatchNormError) and not isinstance(e, comm.SyncBatchNormInputError), repr(e)
+        text, mine = str(e), "'head.extra'" if r == 0 else "'body.bn1'"
+        assert text.startswith(f"SyncBatchNorm: ranks disagree or stopped (ranks summed different collectives); "
+                               f"this is rank {r}, in layer {mine} forward, step 0 (2 channels, 4D float32)."), text
+        assert ("ranks [0] are waiting in layer 'head.extra' forward, step 0 (2 channels, 4D float32); "
+                "missing there: ranks [1, 2]") in text, text
+        assert ("ranks [1, 2] are waiting in layer 'body.bn1' forward, step 0 (2 channels, 4D float32); "
+                "missing there: ranks [0]") in text, text
 
 
-@pytest.mark.parametrize("field", [dict(step=1), dict(channels=3), dict(dtype="float64")])
-def test_same_layer_differing_in_step_channels_or_dtype_raises_on_every_rank(field):
+@pytest.mark.parametrize("field, theirs", [
+    (dict(step=1), "step 1 (2 channels, 4D float32)"),
+    (dict(channels=3), "step 0 (3 channels, 4D float32)"),
+    (dict(dtype="float64"), "step 0 (2 channels, 4D float64)"),
+], ids=["step", "channels", "dtype"])
+def test_same_layer_differing_in_step_channels_or_dtype_raises_on_every_rank(field, theirs):
     out = run(2, lambda r, c: reduce(c, "bn", [1.0, 2.0], **(field if r == 1 else {})))
-    assert all(isinstance(e, comm.SyncBatchNormError) for e in out), out
+    for r, e in enumerate(out):
+        assert isinstance(e, comm.SyncBatchNormError) and not isinstance(e, comm.SyncBatchNormInputError), repr(e)
+        text = str(e)
+        assert f"ranks disagree or stopped (ranks summed different collectives); this is rank {r}" in text, text
+        assert ("ranks [0] are waiting in layer 'bn' forward, step 0 (2 channels, 4D float32); "
+                "missing there: ranks [1]") in text, text
+        assert f"ranks [1] are waiting in layer 'bn' forward, {theirs}; missing there: ranks [0]" in text, text
 
 
 def test_a_silent_rank_times_out_and_the_others_say_so():
     start = time.monotonic()
     out = run(2, lambda r, c: reduce(c, "bn", [1.0]) if r == 0 else None)
-    assert isinstance(out[0], comm.SyncBatchNormError)
-    assert "no match within 0.5 s (HVD_SYNCBN_TIMEOUT)" in str(out[0])
-    assert "did not answer" in str(out[0])
+    assert isinstance(out[0], comm.SyncBatchNormError), repr(out[0])
+    assert out[1] is None, repr(out[1])
+    text = str(out[0])
+    assert "ranks disagree or stopped (no match within 0.5 s (HVD_SYNCBN_TIMEOUT)); this is rank 0" in text, text
+    assert ("The other ranks did not answer within the diagnosis time: they are not in a SyncBN collective "
+            "(stuck in other code or another collective, finished, or dead).") in text, text
     assert time.monotonic() - start <= 2 * 0.5 + 0.5
 
 
@@ -123,13 +81,14 @@ def forward_payload(channels: int = 2) -> list:
 def test_poisoned_rank_names_its_problem_on_every_rank():
     def fn(r, c):
         if r == 1:
-            comm.poison(c, call("bn"), "n.bn", "bn: expected 4 channels on axis 1, got 3")
+            comm.poison(c, call("bn", rank=c.rank), "bn: expected 4 channels on axis 1, got 3")
         return reduce(c, "bn", forward_payload())
 
     out = run(3, fn)
     assert isinstance(out[1], comm.SyncBatchNormInputError) and isinstance(out[1], ValueError)
     for r, e in enumerate(out):
         assert isinstance(e, comm.SyncBatchNormError), e
+        assert f"this is rank {r}, in layer 'bn' forward, step 0 (2 channels, 4D float32)" in str(e), e
         assert "rank 1: bn: expected 4 channels on axis 1, got 3" in str(e), e
         assert (r == 1) == isinstance(e, comm.SyncBatchNormInputError), f"rank {r}: {type(e).__name__}"
 
@@ -141,7 +100,7 @@ def test_a_problem_of_1000_characters_reaches_every_rank():
 
     def fn(r, c):
         if r == 0:
-            comm.poison(c, call("bn"), "n.bn", problem)
+            comm.poison(c, call("bn", rank=c.rank), problem)
         return reduce(c, "bn", forward_payload())
 
     out = run(3, fn)
@@ -156,24 +115,55 @@ def test_a_failure_that_is_not_bad_input_chains_the_real_exception():
     def fn(r, c):
         if r == 1:
             err = MemoryError("out of memory allocating 2 GiB")
-            comm.poison(c, call("bn"), "n.bn", f"bn: MemoryError: {err}", comm.SyncBatchNormError, cause=err)
+            comm.poison(c, call("bn", rank=c.rank), f"bn: MemoryError: {err}", comm.SyncBatchNormError,
+                        cause=err)
         return reduce(c, "bn", forward_payload())
 
     out = run(2, fn)
     assert type(out[1]) is comm.SyncBatchNormError and isinstance(out[1].__cause__, MemoryError)
-    for e in out:
+    for r, e in enumerate(out):
+        assert isinstance(e, comm.SyncBatchNormError) and not isinstance(e, comm.SyncBatchNormInputError), repr(e)
+        assert f"this is rank {r}, in layer 'bn' forward, step 0" in str(e), e
         assert "rank 1: bn: MemoryError: out of memory allocating 2 GiB" in str(e), e
 
 
+def header_sums(heads: np.ndarray) -> np.ndarray:
+    """``(Σh, Σh²)`` of each row of ``(P, W, 2)`` ranks' headers in float64, summed one by
+    one (as a ring allreduce does) and pairwise (as numpy and tree allreduces do); the two
+    orders must agree exactly."""
+    one_by_one = np.cumsum(heads, axis=1)[:, -1]  # (P, 2)
+    pairwise = np.sum(heads, axis=1)
+    assert np.array_equal(one_by_one, pairwise), "summation order changed a header sum"
+    return pairwise
+
+
+def passes(sums: np.ndarray, calls, size: int) -> np.ndarray:
+    """The check each rank makes after the sum: exactly ``size`` times its own header."""
+    own = np.array([comm.header(c, size) for c in calls])  # (P, 2)
+    return np.all(sums == size * own, axis=1)
+
+
+CALLS = [comm.Call(f"layer{i}.{j}.bn{k}", d, s, 64, 4, "float32")
+         for i in range(3) for j in range(2) for k in (1, 2) for d in ("fwd", "bwd") for s in (0, 1, 7)]
+# Each call against 10 others (another layer, direction or step) and itself one step on.
+PAIRS = [(a, CALLS[(i + k) % len(CALLS)]) for i, a in enumerate(CALLS) for k in range(1, 11)]
+PAIRS += [(a, comm.Call(a.layer, a.direction, a.step + 1, a.channels, a.ndim, a.dtype)) for a in CALLS]
+
+
 @pytest.mark.parametrize("size", [2, 64, 512, 4096])
-def test_header_sums_are_exact_in_float64(size):
-    h, h2 = comm.header(call("a.very.long.layer.name" * 3, step=123456), size)
-    assert h2 == h * h and 1 <= h
-    assert size * h2 < 2**53  # Σh² over the world is exact, so equality checks are exact
+def test_header_check_passes_one_collective_and_fails_any_mix(size):
+    """``size`` identical headers sum exactly to ``(W·h, W·h²)``; ``W − 1`` copies of one
+    call's header with one of another call never pass the check, on either side."""
+    same = np.array([[comm.header(a, size)] * size for a in CALLS])  # (P, W, 2)
+    assert passes(header_sums(same), CALLS, size).all(), f"a collective failed its own check at {size} ranks"
+    mixed = np.array([[comm.header(a, size)] * (size - 1) + [comm.header(b, size)] for a, b in PAIRS])
+    sums = header_sums(mixed)
+    wrong = passes(sums, [a for a, _ in PAIRS], size) | passes(sums, [b for _, b in PAIRS], size)
+    assert not wrong.any(), f"mixed collectives passed at {size} ranks: {[PAIRS[i] for i in np.flatnonzero(wrong)]}"
 
 
 def test_local_communicator_is_world_times_this_rank():
-    out = comm.allreduce(comm.LocalCommunicator(4), np.array([1.0, 2.0]), call("x"), "n")
+    out = comm.allreduce(comm.LocalCommunicator(4), np.array([1.0, 2.0]), call("x"))
     np.testing.assert_array_equal(out, [4.0, 8.0])
 
 
@@ -188,5 +178,47 @@ def test_timeout_and_transport_settings_are_validated(monkeypatch):
     assert comm.get_timeout() == 7.5
     monkeypatch.setenv("HVD_SYNCBN_COMM", "nccl")
     with pytest.raises(ValueError, match="HVD_SYNCBN_COMM: expected one of auto, horovod, mpi, torch, got 'nccl'"):
-        comm.requested_kind(None)
-    assert comm.requested_kind("MPI") == "mpi"
+        transports.requested_kind(None)
+    assert transports.requested_kind("MPI") == "mpi"
+    monkeypatch.delenv("HVD_SYNCBN_COMM")
+    with pytest.raises(ValueError, match="comm: expected one of auto, horovod, mpi, torch, got 'nccl'"):
+        transports.requested_kind("nccl")
+    with pytest.raises(ValueError, match="comm: expected one of auto, horovod, mpi, torch or a Communicator, got 3"):
+        transports.requested_kind(3)
+
+
+def test_make_call_counts_steps_per_communicator_and_direction():
+    """Each rank's ``make_call`` numbers a layer's calls per direction on its own
+    communicator, starting at 0, and carries that communicator's rank."""
+    a, b = world(2)
+    steps = [comm.make_call(a, "bn", "fwd", 4, 4, "float32").step for _ in range(3)]
+    assert steps == [0, 1, 2]
+    first_bwd = comm.make_call(a, "bn", "bwd", 4, 4, "float32")
+    other_layer = comm.make_call(a, "bn2", "fwd", 4, 4, "float32")
+    other_comm = comm.make_call(b, "bn", "fwd", 4, 4, "float32")
+    assert (first_bwd.step, other_layer.step, other_comm.step) == (0, 0, 0)
+    assert (first_bwd.rank, other_comm.rank) == (0, 1)
+    assert other_comm.name == "hvd_syncbn.bn.fwd" and first_bwd.name == "hvd_syncbn.bn.bwd"
+
+
+def test_transport_rule(monkeypatch):
+    """The documented rule (README, How the statistics travel): a Communicator as it is;
+    under ``auto`` torch.distributed if a group exists, else MPI under mpirun, else
+    Horovod if initialised, else none."""
+    for key in ("HVD_SYNCBN_COMM", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK"):
+        monkeypatch.delenv(key, raising=False)
+    mine = world(2)[0]
+    assert transports.choose(mine, None) == (mine, "requested")
+    assert transports.choose(None, None) == (None, "not launched by mpirun")
+    assert transports.choose("auto", (2, 0)) == ("horovod", "not launched by mpirun")
+    assert transports.choose(None, (2, 0), process_group=True)[0] == "torch"
+    monkeypatch.setenv("HVD_SYNCBN_COMM", "horovod")
+    assert transports.choose(None, None) == ("horovod", "requested")
+    assert transports.resolve(mine, "bn", None, "k", None, build_horovod=None) is mine
+    assert transports.resolve(comm.LocalCommunicator(1), "bn", None, "k", None, build_horovod=None) is None
+    with pytest.raises(RuntimeError, match=r"bn: comm='horovod' needs hvd\.init\(\) first"):
+        transports.resolve(None, "bn", None, "k", None, build_horovod=None)
+    with pytest.raises(RuntimeError, match="bn: comm='mpi' is not usable here: not launched by mpirun"):
+        transports.resolve("mpi", "bn", None, "k", None, build_horovod=None)
+    with pytest.raises(ValueError, match="bn: comm='torch' is PyTorch's"):
+        transports.resolve("torch", "bn", None, "k", None, build_horovod=None)

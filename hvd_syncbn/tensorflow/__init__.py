@@ -1,7 +1,8 @@
 """TensorFlow/Keras adapter: SyncBatchNormalization, the model converter, the functional op,
 and what ``model.fit`` needs under Horovod with Keras 3."""
 
-from .batchnorm import SyncBatchNormalization, sync_batch_normalization
+from .batchnorm import SyncBatchNormalization
+from .functional import sync_batch_normalization
 from .convert import convert_sync_batchnorm
 from .training import (BroadcastGlobalVariablesCallback, DistributedOptimizer, MetricAverageCallback,
                        broadcast_variables)

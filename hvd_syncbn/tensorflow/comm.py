@@ -1,10 +1,8 @@
 """The TensorFlow transports of :mod:`hvd_syncbn.comm`: Horovod and MPI (mpi4py).
 
-Buffers cross into Python through ``tf.numpy_function`` (about 35 µs), so both
-transports get the same deadline, identity check and diagnosis as in PyTorch. Chosen by
-:func:`resolve`: the ``comm`` argument, else ``$HVD_SYNCBN_COMM``, else ``auto``: MPI
-when launched by mpirun with mpi4py (and Horovod numbering ranks as
-``MPI_COMM_WORLD``), else Horovod.
+Buffers cross into Python through ``tf.numpy_function``, so both transports get the same
+deadline, identity check and diagnosis as in PyTorch. Chosen by :func:`resolve`, by the
+rule of :func:`hvd_syncbn.transports.choose`.
 """
 
 from __future__ import annotations
@@ -17,6 +15,7 @@ from typing import Any, Optional
 import numpy as np
 
 from hvd_syncbn import comm as base
+from hvd_syncbn import transports
 
 try:
     import horovod.tensorflow as hvd
@@ -116,23 +115,9 @@ def resolve_process_set(process_set: Any) -> Any:
 def resolve(kind: Any, process_set: Any, layer: str) -> Optional[base.Communicator]:
     """The communicator for a layer, or ``None`` when this process is alone (plain BN)."""
     hvd_on = hvd is not None and hvd.is_initialized()
-    want, why = base.choose(kind, (hvd.size(), hvd.rank()) if hvd_on else None)
-    if want == "torch":
-        raise ValueError(f"{layer}: comm='torch' is PyTorch's; with TensorFlow use 'horovod', 'mpi' or 'auto'")
-    if not isinstance(want, str):
-        return want if want is not None and want.size > 1 else None
-    ps = resolve_process_set(process_set) if hvd_on else None
-    if hvd_on and not ps.included():
-        raise base.not_a_member(layer, hvd.rank(), ps.ranks)
-    key = (want, "tf", None if ps is None else ps.process_set_id)
-    comm = base.cached(key, lambda: _build(want, ps, layer, hvd_on), why)
-    return comm if comm.size > 1 else None
-
-
-def _build(want: str, ps: Any, layer: str, hvd_on: bool) -> base.Communicator:
-    if want == "horovod":
-        if not hvd_on:
-            raise RuntimeError(f"{layer}: comm='horovod' needs hvd.init() first")
-        return HorovodComm(ps)
-    return base.mpi_communicator(layer, (hvd.size(), hvd.rank()) if hvd_on else None,
-                                 None if ps is None else list(ps.ranks))
+    ps = resolve_process_set(process_set) if hvd_on and not isinstance(kind, base.Communicator) else None
+    if ps is not None and not ps.included():
+        raise transports.not_a_member(layer, hvd.rank(), ps.ranks)
+    return transports.resolve(kind, layer, (hvd.size(), hvd.rank()) if hvd_on else None,
+                              ("tf", None if ps is None else ps.process_set_id),
+                              None if ps is None else list(ps.ranks), lambda: HorovodComm(ps))

@@ -17,6 +17,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from hvd_syncbn import backend
 from hvd_syncbn import comm as transport
+from hvd_syncbn import transports
 from hvd_syncbn.torch import comm as torch_comm
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
@@ -24,7 +25,36 @@ _layer_ids = itertools.count()
 
 
 _NUMPY = {torch.float32: np.float32, torch.float64: np.float64}
-_CENTRED_FROM = 1 << 15  # values; below, the native statistics kernel is as fast (measured on CPU)
+_CENTRED_FROM = 1 << 15  # values; below, the native statistics kernel is as fast on CPU
+
+
+class _TorchOps:
+    """:class:`hvd_syncbn.backend.ArrayOps` for torch tensors."""
+
+    concat, maximum, any = staticmethod(torch.cat), staticmethod(torch.clamp_min), staticmethod(torch.any)
+
+    @staticmethod
+    def wide(x: Tensor) -> Tensor:
+        return x.to(torch.float64)
+
+    @staticmethod
+    def sum(x: Tensor, axes) -> Tensor:
+        return x.sum(list(axes), keepdim=True)
+
+    @staticmethod
+    def flat(x: Tensor) -> Tensor:
+        return x.reshape(-1)
+
+    @staticmethod
+    def keep(x: Tensor, where: Tensor) -> Tensor:
+        return torch.where(where, x, 0.0)
+
+    @staticmethod
+    def rows(x: Tensor, axes) -> Tensor:
+        return torch.tensor([float(np.prod([x.shape[a] for a in axes]))], dtype=torch.float64, device=x.device)
+
+
+_TORCH_OPS = _TorchOps()
 
 
 def _host(t: Tensor) -> np.ndarray:
@@ -39,31 +69,28 @@ def _to(arr: np.ndarray, like: Tensor, dtype: torch.dtype) -> Tensor:
     return torch.from_numpy(np.asarray(arr, dtype=_NUMPY[dtype])).to(like.device)
 
 
-def _call(layer: "SyncBatchNorm", direction: str, x: Tensor) -> transport.Call:
+def _call(layer: "SyncBatchNorm", comm: transport.Communicator, direction: str, x: Tensor) -> transport.Call:
     """This rank's identity of the layer's next collective in ``direction``."""
-    name = layer.layer_name
-    return transport.Call(name, direction, transport.next_step(name, direction), layer.num_features,
-                          x.dim(), str(x.dtype).replace("torch.", ""))
+    return transport.make_call(comm, layer.layer_name, direction, layer.num_features, x.dim(),
+                               str(x.dtype).replace("torch.", ""))
 
 
-def _allreduce_sum(comm: transport.Communicator, call: transport.Call):
-    return lambda buf, name: transport.allreduce(comm, buf, call, name)
+def _allreduce_sum(layer: "SyncBatchNorm", comm: transport.Communicator, x: Tensor) -> backend.AllreduceSum:
+    return lambda buf, direction: transport.allreduce(comm, buf, _call(layer, comm, direction, x))
 
 
 def _local_moments(x: Tensor, acc: torch.dtype, shift: Optional[Tensor] = None) -> tuple[np.ndarray, np.ndarray]:
-    """Local per-channel mean and biased variance (zeros if empty), on the host.
+    """Local per-channel mean and biased variance of ``(N, C, *)`` on the host: the
+    contract of :func:`hvd_syncbn.backend.local_moments`, by faster kernels.
 
-    Channels-first contiguous input takes the sums of ``c = x − shift`` and of ``c²``
-    (:func:`_shifted_sums`): on CPU the native statistics kernel takes about 1.15 ns per
-    value in this layout (1.8 ms on (8, 64, 56, 56); 0.2 ms channels-last). ``shift`` is
-    a per-channel guess of the mean (the layer passes its previous global mean): two
-    passes when it is within one standard deviation of this batch's mean, where
-    ``Σc²/n − (Σc/n)²`` loses at most a factor of 2 to cancellation; with no guess, or
-    after those two passes when it is further off, a (pairwise) sum for the mean first,
-    three passes more. Both are about as accurate as the native kernel (1e-7 to 3e-7
-    relative). Smaller inputs, other layouts and mixed precision use the native kernel.
-    Where the ``acc`` mean's rounding would cost the global variance accuracy (see
-    :func:`hvd_syncbn.backend.mean_needs_float64`) both are recomputed in float64.
+    - Large channels-first contiguous ``acc`` input: the sums of ``c = x − shift`` and
+      ``c²`` (:func:`_shifted_sums`). ``shift`` is a guess of the mean (the layer's
+      previous global mean); when it is within one standard deviation of this batch's
+      mean, ``Σc²/n − (Σc/n)²`` loses at most a factor of 2 to cancellation, else (or
+      with no guess) the mean is summed first and the data centred on it.
+    - Anything else: the native statistics kernel, accumulating in ``acc``.
+    - Where the ``acc`` mean is too coarse (:func:`hvd_syncbn.backend.needs_float64`):
+      the reference, in float64.
     """
     dims, channels = _reduced_dims(x), x.shape[1]
     if x.numel() == 0:
@@ -86,10 +113,9 @@ def _local_moments(x: Tensor, acc: torch.dtype, shift: Optional[Tensor] = None) 
             scratch = torch.zeros(2, channels, dtype=acc, device=x.device)
             mean, var = torch.batch_norm_update_stats(x, scratch[0], scratch[1], 0.0)
         mean_h, var_h = _host(mean), _host(var)
-    if acc != torch.float64 and backend.mean_needs_float64(mean_h, var_h):  # rare: two float64 passes
-        exact = x.sum(dims, dtype=torch.float64) / rows
-        centred = x.to(torch.float64) - _per_channel(exact, x)  # (N, C, *)
-        return _host(exact), _host((centred * centred).sum(dims)) / rows
+    if acc != torch.float64 and backend.needs_float64(backend.NUMPY_OPS, mean_h, var_h):
+        _, mean, var = backend.local_moments(_TORCH_OPS, x, dims)
+        return _host(mean), _host(var)
     return mean_h, var_h
 
 
@@ -114,29 +140,26 @@ class _SyncBatchNormFn(torch.autograd.Function):
     """Normalise with global statistics; backward with one packed allreduce.
 
     The per-channel vectors (moments, sums, coefficients) live on the host in numpy
-    float64, where each small op costs about a microsecond rather than a framework
-    dispatch; only the passes over the data run in torch.
+    float64, where small ops are cheaper than framework dispatches; only the passes over
+    the data run in torch.
     """
 
     @staticmethod
     def forward(ctx, x, weight, bias, layer, comm):  # noqa: D401 - autograd API
         acc = layer._acc_dtype(x)
-        name = backend.collective_name(layer.layer_name, "fwd")
         try:
             layer._check_input_dim(x)
         except ValueError as e:  # bad input: every rank fails together, not this one alone
-            transport.poison(comm, _call(layer, "fwd", x), name, str(e))
+            transport.poison(comm, _call(layer, comm, "fwd", x), str(e))
         try:
             guess = layer._mean_guess  # the previous global mean, to centre on
             usable = guess is not None and guess.dtype == acc and guess.device == x.device
             mean, var = _local_moments(x, acc, guess if usable else None)
         except Exception as e:  # noqa: BLE001 - e.g. out of memory: release the peers, raise it here
-            transport.poison(comm, _call(layer, "fwd", x), name, f"{layer.layer_name}: {type(e).__name__}: {e}",
+            transport.poison(comm, _call(layer, comm, "fwd", x), f"{layer.layer_name}: {type(e).__name__}: {e}",
                              transport.SyncBatchNormError, cause=e)
         count = np.array([_rows(x)], dtype=np.float64)
-        total, g_mean, g_var = backend.sync_moments(
-            backend.NUMPY_OPS, _allreduce_sum(comm, _call(layer, "fwd", x)), name, count, mean, var
-        )
+        total, g_mean, g_var = backend.sync_moments(backend.NUMPY_OPS, _allreduce_sum(layer, comm, x), count, mean, var)
         n = float(total[0])
         backend.check_global_count(layer.layer_name, n, training=True)
         if layer.check_finite:
@@ -171,13 +194,10 @@ class _SyncBatchNormFn(torch.autograd.Function):
             )
         dx = None
         if need_x:
-            allreduce = _allreduce_sum(ctx.comm, _call(layer, "bwd", x))
             g_dy, g_dy_xhat = backend.sync_grad_sums(
-                backend.NUMPY_OPS, allreduce, backend.collective_name(layer.layer_name, "bwd"),
-                _host(sum_dy), _host(sum_dy_xhat),
-            )
+                backend.NUMPY_OPS, _allreduce_sum(layer, ctx.comm, x), _host(sum_dy), _host(sum_dy_xhat))
             w = None if weight is None else _host(weight)
-            k, s, t = backend.input_grad_coeffs(ctx.total, ctx.invstd, w, g_dy, g_dy_xhat)
+            k, s, t = backend.input_grad_coeffs(backend.NUMPY_OPS, ctx.total, ctx.invstd, w, g_dy, g_dy_xhat)
             # s·x̂ + t through the native kernel (it normalises x with mean/var), then + k·dy.
             dx = torch.batch_norm(x, _to(s, x, mean.dtype), _to(t, x, mean.dtype), mean, var, False, 0.0,
                                   layer.eps, torch.backends.cudnn.enabled)
@@ -265,7 +285,7 @@ class SyncBatchNorm(_BatchNorm):
 
     def _init_sync(self, process_set: Any, name: Optional[str], comm: Optional[str], check_finite: bool) -> None:
         """Set what this class adds to ``_BatchNorm`` (also for a layer made by conversion)."""
-        transport.requested_kind(comm)
+        transports.requested_kind(comm)
         self.process_set = process_set
         self.layer_name = name or f"SyncBatchNorm_{next(_layer_ids)}"
         self.comm = comm

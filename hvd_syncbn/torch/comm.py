@@ -1,9 +1,6 @@
 """The PyTorch transports of :mod:`hvd_syncbn.comm`: Horovod, MPI (mpi4py) and torch.distributed.
 
-Chosen per layer call by :func:`resolve`: the layer's ``comm`` argument, else
-``$HVD_SYNCBN_COMM``, else ``auto``, which takes ``torch.distributed`` when a default
-process group exists, MPI when launched by mpirun with mpi4py (and Horovod, if
-initialised, numbering ranks as ``MPI_COMM_WORLD``), else Horovod.
+Chosen per layer call by :func:`resolve`, by the rule of :func:`hvd_syncbn.transports.choose`.
 """
 
 from __future__ import annotations
@@ -15,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from hvd_syncbn import comm as base
+from hvd_syncbn import transports
 
 try:
     import horovod.torch as hvd
@@ -81,9 +79,8 @@ _horovod_seen = False
 
 
 def _horovod_on() -> bool:
-    """Whether ``hvd.init()`` has run. Once it has, that is remembered: the ctypes call
-    takes 6–35 µs right after a Horovod collective (0.15 µs otherwise; measured), and
-    every layer asks on every forward."""
+    """Whether ``hvd.init()`` has run; once it has, that is remembered (every layer asks
+    on every forward, and the ctypes call is slow right after a collective)."""
     global _horovod_seen
     if not _horovod_seen:
         _horovod_seen = hvd is not None and bool(hvd.is_initialized())
@@ -96,7 +93,7 @@ def resolve(kind: Any, process_set: Any, layer: str) -> Optional[base.Communicat
     Called on every forward: the answer is remembered for the state it depends on.
     """
     hvd_on = _horovod_on()
-    state = (id(kind) if isinstance(kind, base.Communicator) else kind, os.environ.get(base.COMM_ENV), hvd_on,
+    state = (id(kind) if isinstance(kind, base.Communicator) else kind, os.environ.get(transports.COMM_ENV), hvd_on,
              dist.is_available() and dist.is_initialized(), _set_key(process_set))
     if state not in _resolved:
         _resolved[state] = _resolve(kind, process_set, layer, hvd_on)
@@ -104,13 +101,13 @@ def resolve(kind: Any, process_set: Any, layer: str) -> Optional[base.Communicat
 
 
 def _resolve(kind: Any, process_set: Any, layer: str, hvd_on: bool) -> Optional[base.Communicator]:
-    want, why = base.choose(kind, (hvd.size(), hvd.rank()) if hvd_on else None,
-                            dist.is_available() and dist.is_initialized())
-    if not isinstance(want, str):
-        return want if want is not None and want.size > 1 else None
     if hvd_on and isinstance(process_set, hvd.ProcessSet) and not process_set.included():
-        raise base.not_a_member(layer, hvd.rank(), process_set.ranks)
-    return base.cached((want, _set_key(process_set)), lambda: _build(want, process_set, layer, hvd_on), why)
+        raise transports.not_a_member(layer, hvd.rank(), process_set.ranks)
+    group = process_set if process_set is not None else hvd.global_process_set if hvd_on else None
+    return transports.resolve(
+        kind, layer, (hvd.size(), hvd.rank()) if hvd_on else None, ("torch", _set_key(process_set)),
+        _ranks(process_set), lambda: HorovodComm(group),
+        lambda: _torch_dist(process_set, layer), dist.is_available() and dist.is_initialized())
 
 
 def _set_key(process_set: Any) -> Any:
@@ -121,14 +118,16 @@ def _set_key(process_set: Any) -> Any:
     return ("obj", id(process_set))
 
 
-def _build(want: str, process_set: Any, layer: str, hvd_on: bool) -> base.Communicator:
-    if want == "horovod":
-        if not hvd_on:
-            raise RuntimeError(f"{layer}: comm='horovod' needs hvd.init() first")
-        return HorovodComm(process_set if process_set is not None else hvd.global_process_set)
-    if want == "mpi":
-        ranks = None if process_set is None else list(process_set.ranks)
-        return base.mpi_communicator(layer, (hvd.size(), hvd.rank()) if hvd_on else None, ranks)
+def _ranks(process_set: Any) -> Optional[list]:
+    """The world ranks of a Horovod process set or a ``torch.distributed`` group."""
+    if process_set is None:
+        return None
+    if isinstance(process_set, dist.ProcessGroup):
+        return dist.get_process_group_ranks(process_set)
+    return list(process_set.ranks)
+
+
+def _torch_dist(process_set: Any, layer: str) -> TorchDistComm:
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError(f"{layer}: comm='torch' needs torch.distributed.init_process_group() first")
     if process_set is not None and not isinstance(process_set, dist.ProcessGroup):
@@ -137,5 +136,5 @@ def _build(want: str, process_set: Any, layer: str, hvd_on: bool) -> base.Commun
             f"ProcessGroup (from dist.new_group), got {type(process_set).__name__}"
         )
     if process_set is not None and dist.get_rank(process_set) < 0:
-        raise base.not_a_member(layer, dist.get_rank(), dist.get_process_group_ranks(process_set))
+        raise transports.not_a_member(layer, dist.get_rank(), dist.get_process_group_ranks(process_set))
     return TorchDistComm(process_set)

@@ -1,0 +1,333 @@
+"""Synchronized batch normalization as a TensorFlow op: the algorithm of
+:mod:`hvd_syncbn.backend` with a hand-written gradient, for the Keras layer and for
+``tf.nn``-style code.
+
+float32 inputs with the channels right after the batch or last (the common layouts)
+normalise, and take their gradient sums, through TF's fused batch-norm kernels given the
+global statistics; other inputs use composite ops.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional, Sequence, Tuple
+
+import numpy as np
+import tensorflow as tf
+
+from hvd_syncbn import backend
+from hvd_syncbn import comm as transport
+from hvd_syncbn.tensorflow import comm as tf_comm
+
+
+class _TFOps:
+    """:class:`hvd_syncbn.backend.ArrayOps` for TensorFlow."""
+
+    any = staticmethod(tf.reduce_any)
+
+    @staticmethod
+    def concat(parts: Sequence[tf.Tensor]) -> tf.Tensor:
+        return tf.concat(list(parts), axis=0)
+
+    @staticmethod
+    def wide(x: tf.Tensor) -> tf.Tensor:
+        return tf.cast(x, tf.float64)
+
+    @staticmethod
+    def maximum(x: tf.Tensor, floor: float) -> tf.Tensor:
+        return tf.maximum(x, tf.cast(floor, x.dtype))
+
+    @staticmethod
+    def sum(x: tf.Tensor, axes: Sequence[int]) -> tf.Tensor:
+        return tf.reduce_sum(x, axis=list(axes), keepdims=True)
+
+    @staticmethod
+    def flat(x: tf.Tensor) -> tf.Tensor:
+        return tf.reshape(x, [-1])
+
+    @staticmethod
+    def keep(x: tf.Tensor, where: tf.Tensor) -> tf.Tensor:
+        return tf.where(where, x, tf.zeros_like(x))
+
+    @staticmethod
+    def rows(x: tf.Tensor, axes: Sequence[int]) -> tf.Tensor:
+        shape = tf.shape(x, out_type=tf.int64)
+        return tf.reshape(tf.cast(tf.reduce_prod(tf.gather(shape, list(axes))), tf.float64), [1])
+
+
+_ops = _TFOps()
+
+
+def _allreduce_sum(comm: Optional[transport.Communicator], layer: str, x: tf.Tensor, channels: int):
+    """Sum over the ranks of ``comm`` (nothing to do if ``None``) and, inside a
+    ``tf.distribute`` replica context, over the in-process replicas first (one
+    cross-rank collective per process). ``x`` and ``channels`` identify the call."""
+    ndim, dtype = len(x.shape), x.dtype.name
+
+    def over_ranks(buf: tf.Tensor, direction: str) -> tf.Tensor:
+        if comm is None:
+            return buf
+
+        def run(b: np.ndarray) -> np.ndarray:
+            return transport.allreduce(comm, b, transport.make_call(comm, layer, direction, channels, ndim, dtype))
+
+        out = tf.numpy_function(run, [tf.cast(buf, tf.float64)], tf.float64, stateful=True, name="hvd_syncbn_allreduce")
+        return tf.cast(tf.reshape(out, buf.shape), buf.dtype)
+
+    def allreduce_sum(buf: tf.Tensor, direction: str) -> tf.Tensor:
+        ctx = tf.distribute.get_replica_context()
+        if ctx is None or ctx.num_replicas_in_sync == 1:
+            return over_ranks(buf, direction)
+        buf = ctx.all_reduce(tf.distribute.ReduceOp.SUM, buf)  # every replica: the process sum
+
+        def merge(strategy, summed):
+            return over_ranks(strategy.experimental_local_results(summed)[0], direction)
+
+        return ctx.merge_call(merge, args=(buf,))
+
+    return allreduce_sum
+
+
+def _fused_moments(x: tf.Tensor, axes: Sequence[int], x4: tf.Tensor, fmt: str):
+    """The contract of :func:`hvd_syncbn.backend.local_moments` for ``x``, from one pass
+    of the fused kernel over ``x4`` (its 4D view; the normalised output is discarded).
+    Where the kernel's float32 mean is too coarse (:func:`hvd_syncbn.backend.needs_float64`),
+    the reference runs instead."""
+    channel = 3 if fmt == "NHWC" else 1
+    ones = tf.ones(tf.shape(x4)[channel:channel + 1], x4.dtype)
+    count = tf.cast(tf.size(x4), x4.dtype) / tf.cast(tf.size(ones), x4.dtype)
+    # batch_variance is the unbiased one: n/(n−1), or 1 for n ≤ 1; no rows give NaN.
+    # epsilon only touches the normalised output, which this call discards.
+    _, mean, var, _, _, _ = tf.raw_ops.FusedBatchNormV3(
+        x=x4, scale=ones, offset=tf.zeros_like(ones), mean=tf.zeros([0], x4.dtype), variance=tf.zeros([0], x4.dtype),
+        epsilon=1.0, is_training=True, data_format=fmt)
+    some = count > 0
+    mean = tf.where(some, mean, 0.0)
+    var = tf.where(some, var * (tf.maximum(count, 1.0) - 1.0) / tf.maximum(count, 1.0), 0.0)
+    return tf.cond(backend.needs_float64(_ops, mean, var),
+                   lambda: backend.local_moments(_ops, x, axes),
+                   lambda: (tf.fill([1], tf.cast(count, tf.float64)), tf.cast(mean, tf.float64), tf.cast(var, tf.float64)))
+
+
+def _split_axes(ndim: int, axis: Any, layer: str) -> Tuple[list, list]:
+    """``(channel axes, reduction axes)``, sorted and non-negative, of an ``ndim`` input
+    whose channels are ``axis`` (an int or a list of ints)."""
+    axes = [axis] if isinstance(axis, int) else list(axis)
+    for a in axes:
+        if not -ndim <= a < ndim:
+            raise ValueError(f"{layer}: axis {a} is out of range for a {ndim}D input")
+    channel = sorted({a % ndim for a in axes})
+    return channel, [a for a in range(ndim) if a not in channel]
+
+
+def _keep(v: tf.Tensor, x: tf.Tensor, axes: Sequence[int]) -> tf.Tensor:
+    """A flat per-channel ``(C,)`` vector shaped to broadcast against ``x``."""
+    return tf.reshape(v, [1 if a in axes else x.shape[a] for a in range(len(x.shape))])
+
+
+def _scale_shift(xhat: tf.Tensor, gamma: Optional[tf.Tensor], beta: Optional[tf.Tensor],
+                 axes: Sequence[int]) -> tf.Tensor:
+    """``γ·x̂ + β`` for flat ``(C,)`` ``γ``, ``β`` (either may be ``None``)."""
+    y = xhat if gamma is None else xhat * _keep(gamma, xhat, axes)
+    return y if beta is None else y + _keep(beta, xhat, axes)
+
+
+def _sum(t: tf.Tensor, axes: Sequence[int]) -> tf.Tensor:
+    """Per-channel sum, flattened to ``(C,)``."""
+    return tf.reshape(tf.reduce_sum(t, axis=axes), [-1])
+
+
+def _fused_layout(x: tf.Tensor, axes: Sequence[int]) -> Optional[Tuple[Any, str]]:
+    """How a float32 input with one channel axis, first or last after the batch, feeds
+    the fused kernels (``FusedBatchNormV3`` and its gradient, one pass each): a function
+    that reshapes it to 4D (other ranks as ``(N, 1, rest, C)`` or ``(N, C, 1, rest)``),
+    and the data format. ``None`` when it cannot."""
+    ndim = len(x.shape)
+    channel = [a for a in range(ndim) if a not in axes]
+    if x.dtype != tf.float32 or len(channel) != 1 or channel[0] not in (1, ndim - 1) or ndim < 2:
+        return None
+    last = channel[0] == ndim - 1
+    fmt = "NHWC" if last else "NCHW"
+    if ndim == 4:
+        return (lambda t: t), fmt
+
+    def to_fused(t: tf.Tensor) -> tf.Tensor:
+        shape = tf.shape(t)
+        rest = tf.reduce_prod(shape[1:-1] if last else shape[2:], keepdims=True)
+        n, c = shape[:1], shape[ndim - 1:] if last else shape[1:2]
+        return tf.reshape(t, tf.concat([n, [1], rest, c] if last else [n, c, [1], rest], 0))
+
+    return to_fused, fmt
+
+
+def _like(t: tf.Tensor, x: tf.Tensor) -> tf.Tensor:
+    """``t`` (a fused kernel's 4D result) in the shape of ``x``."""
+    return t if len(x.shape) == 4 else tf.reshape(t, tf.shape(x))
+
+
+def _fused_affine(x: tf.Tensor, mean: tf.Tensor, var: tf.Tensor, epsilon: float, scale: tf.Tensor,
+                  offset: tf.Tensor, fmt: str) -> tf.Tensor:
+    """``scale·(x − mean)/√(var + ε) + offset`` per channel, in one pass of the fused kernel."""
+    return tf.raw_ops.FusedBatchNormV3(x=x, scale=scale, offset=offset, mean=mean, variance=var, epsilon=epsilon,
+                                       is_training=False, data_format=fmt)[0]
+
+
+def _first_order(layer: str, *grads: tf.Tensor) -> list:
+    """``grads`` as they are, except that asking for their own gradient (a second
+    derivative of the layer) raises: the hand-written gradient treats the statistics as
+    constants and sums across ranks outside the tape, so one would be silently wrong."""
+
+    @tf.custom_gradient
+    def identity(*ts):
+        def refuse(*upstream):
+            raise NotImplementedError(f"{layer}: SyncBatchNormalization has no second derivative (its gradient "
+                                      "is written by hand, with statistics summed across ranks outside the tape)")
+
+        return list(ts), refuse
+
+    return list(identity(*grads))
+
+
+def _sync_normalize(
+    xs: Sequence[tf.Tensor],
+    gamma: Optional[tf.Tensor],
+    beta: Optional[tf.Tensor],
+    axes: Sequence[int],
+    epsilon: float,
+    name: str,
+    process_set: Any = None,
+    masks: Optional[Sequence[Optional[tf.Tensor]]] = None,
+    comm: Optional[str] = None,
+    check_finite: bool = False,
+    renorm: Optional[Callable[[tf.Tensor, tf.Tensor], Tuple[tf.Tensor, tf.Tensor]]] = None,
+) -> Tuple[list, tf.Tensor, tf.Tensor, tf.Tensor]:
+    """Normalise every part ``xs[i]`` (towers of one process) with the statistics of all
+    parts on every rank. The parts' buffers are summed in-process, then one allreduce
+    per direction crosses the ranks; the gradient is written by hand.
+
+    ``renorm(mean, variance) -> (r, d)``, given the global statistics, turns this into
+    batch renormalization: ``y = (x̂·r + d)·γ + β`` with ``r`` and ``d`` constants of
+    the gradient, as in Keras.
+
+    Returns ``([y_i], mean, variance, count)``, the statistics global and biased,
+    ``count`` the global number of rows as ``(1,)``.
+
+    Shape:
+        - xs[i]: any rank, same channel dims; ``axes`` are the reduction axes.
+        - gamma, beta: ``C`` elements in any shape; returned mean, variance: ``(C,)``.
+        - masks[i]: broadcastable to ``xs[i]``; 0 leaves a position out of the statistics.
+
+    Raises (as ``InvalidArgumentError`` in graphs) on a global batch of one row and, with
+    ``check_finite``, on non-finite statistics, before anything downstream runs.
+    """
+    channels = int(np.prod([d or -1 for a, d in enumerate(xs[0].shape) if a not in axes]))
+    allreduce = _allreduce_sum(tf_comm.resolve(comm, process_set, name), name, xs[0], channels)
+    parts = len(xs)
+    weights = [None if m is None else tf.cast(m, x.dtype) for x, m in zip(xs, masks or [None] * parts)]
+    params = [tf.reshape(t, [-1]) for t in (gamma, beta) if t is not None]
+    fused = _fused_layout(xs[0], axes) if all(w is None for w in weights) else None
+
+    @tf.custom_gradient
+    def _fn(*inputs):
+        xs, params = inputs[:parts], inputs[parts:]
+        g = params[0] if gamma is not None else None
+        b = params[-1] if beta is not None else None
+        if fused:
+            to_fused, fmt = fused
+            x4s = [to_fused(x) for x in xs]
+            moments = [_fused_moments(x, axes, x4, fmt) for x, x4 in zip(xs, x4s)]
+        else:
+            moments = [backend.local_moments(_ops, x, axes, None if w is None else w * tf.ones_like(x))
+                       for x, w in zip(xs, weights)]
+        local = [backend.pack_moments(_ops, *m) for m in moments]
+        total, mean, var = backend.unpack_moments(
+            _ops, allreduce(tf.add_n(local), "fwd")
+        )
+        # A string-only Assert is a plain op; assert_none_equal would add a cond per layer.
+        checks = [tf.debugging.Assert(tf.reduce_all(tf.not_equal(total, 1.0)), [backend.single_row_message(name)])]
+        if check_finite:
+            checks.append(tf.debugging.assert_all_finite(mean + var, backend.non_finite_message(name)))
+        with tf.control_dependencies(checks):  # nothing downstream (updates included) runs first
+            total, mean, var = (tf.identity(t) for t in (total, mean, var))
+        dtype = xs[0].dtype
+        total, mean, var = (tf.cast(t, dtype) for t in (total, mean, var))
+        invstd = tf.math.rsqrt(var + epsilon)
+        scale, offset = g, b  # of x̂: γ and β, or with renorm r·γ and d·γ + β
+        if renorm is not None:
+            r, d = (tf.stop_gradient(tf.reshape(t, [-1])) for t in renorm(mean, var))
+            scale, offset = (r, d) if g is None else (r * g, d * g)
+            offset = offset if b is None else offset + b
+        if fused:  # one kernel pass forward, one (plus one for the global terms) backward
+            ones = tf.ones_like(mean) if scale is None else scale
+            zeros = tf.zeros_like(mean) if offset is None else offset
+            ys = [_like(_fused_affine(x4, mean, var, epsilon, ones, zeros, fmt), x) for x, x4 in zip(xs, x4s)]
+        else:
+            xhats = [(x - _keep(mean, x, axes)) * _keep(invstd, x, axes) for x in xs]
+            ys = [_scale_shift(xhat, scale, offset, axes) for xhat in xhats]
+
+        def grad(*upstream):
+            dys = upstream[:parts]  # the rest are d(mean), d(variance), d(count): not differentiated
+            if fused:
+                # With the statistics as constants the kernel gives k·dy, Σdy·x̂ and Σdy.
+                kernel = [tf.raw_ops.FusedBatchNormGradV3(
+                    y_backprop=to_fused(dy), x=x4, scale=ones, reserve_space_1=mean, reserve_space_2=var,
+                    reserve_space_3=tf.zeros([0], dtype), epsilon=epsilon, is_training=False, data_format=fmt)[:3]
+                    for dy, x4 in zip(dys, x4s)]
+                sums = [(db, dg) for _, dg, db in kernel]
+            else:
+                # Masked positions are normalised too: their dy enters every sum, while
+                # only unmasked positions moved the statistics (hence ``w`` below).
+                sums = [(_sum(dy, axes), _sum(dy * xhat, axes)) for dy, xhat in zip(dys, xhats)]
+            g_dy, g_dy_xhat = backend.unpack_grad_sums(allreduce(
+                tf.add_n([backend.pack_grad_sums(_ops, *s) for s in sums]), "bwd"
+            ))
+            k, s, t = backend.input_grad_coeffs(_ops, total, invstd, scale, g_dy, g_dy_xhat)
+            if fused:  # dx = k·dy + (s·x̂ + t), the bracket one more kernel pass
+                dxs = [_like(k_dy + _fused_affine(x4, mean, var, epsilon, s, t, fmt), x)
+                       for x, x4, (k_dy, _, _) in zip(xs, x4s, kernel)]
+            else:
+                dxs = []
+                for x, xhat, dy, w in zip(xs, xhats, dys, weights):
+                    stat = _keep(s, x, axes) * xhat + _keep(t, x, axes)
+                    dxs.append(_keep(k, x, axes) * dy + (stat if w is None else stat * w))
+            dparams = []
+            sum_dy, sum_dy_xhat = (tf.add_n([s[i] for s in sums]) for i in (0, 1))
+            if g is not None:  # under renorm y = x̂·r·γ + d·γ + β
+                dparams.append(sum_dy_xhat if renorm is None else r * sum_dy_xhat + d * sum_dy)
+            if b is not None:
+                dparams.append(sum_dy)
+            return _first_order(name, *dxs, *dparams)
+
+        return (*ys, mean, var, total), grad
+
+    out = _fn(*xs, *params)
+    return list(out[:parts]), out[parts], out[parts + 1], out[parts + 2]
+
+
+def sync_batch_normalization(x, offset, scale, variance_epsilon, axis=-1, name="sync_batch_normalization",
+                             process_set=None, comm=None):
+    """``tf.nn.batch_normalization`` with the batch statistics computed for you, globally.
+
+    The mean and variance are those of every row of ``x`` on every Horovod rank (and of
+    every tower, when ``x`` is a list of per-tower tensors built in one graph, as in
+    TF 1 multi-GPU code), so no tower or rank has to gather anything. Works in eager
+    mode, ``tf.function`` and ``tf.compat.v1`` graphs.
+
+    Args:
+        x: a tensor, or a list of tower tensors with the same channel dims.
+        offset: ``β`` (``C`` elements) or ``None``.
+        scale: ``γ`` (``C`` elements) or ``None``.
+        variance_epsilon: added to the variance.
+        axis: the channel axis, or a list of them. Default: -1.
+        name: the collective's name, the same on every rank, unique per call site.
+        process_set: Horovod process set (or its ranks). Default: all ranks.
+        comm: ``"horovod"``, ``"mpi"`` or ``"auto"``, as for :class:`SyncBatchNormalization`.
+
+    Returns:
+        ``(y, mean, variance)``: ``y`` like ``x`` (a list for a list); the global batch
+        mean and biased variance, ``(C,)``, e.g. for moving averages.
+    """
+    parts = list(x) if isinstance(x, (list, tuple)) else [x]
+    _, axes = _split_axes(len(parts[0].shape), axis, name)
+    ys, mean, var, _ = _sync_normalize([tf.convert_to_tensor(p) for p in parts], scale, offset, axes,
+                                    variance_epsilon, name, process_set, comm=comm)
+    return (ys if isinstance(x, (list, tuple)) else ys[0]), mean, var

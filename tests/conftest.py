@@ -1,0 +1,111 @@
+"""Helpers shared by the test files: an in-process world of ranks as threads, and a
+temporary folder per process.
+
+pytest loads this file under horovodrun and mpirun too (the ``ranks_*.py`` suites), so it
+imports only the standard library, numpy, pytest and the framework-free
+:mod:`hvd_syncbn.comm`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import tempfile
+import threading
+from pathlib import Path
+from typing import Callable, List, Optional
+
+import numpy as np
+import pytest
+
+from hvd_syncbn import comm
+
+
+class ThreadComm(comm.Communicator):
+    """Rank ``rank`` of a world of threads; the k-th ``start`` of every rank is summed
+    together (matched by order, not name, as MPI does); mismatched sizes fail like MPI
+    truncation."""
+
+    kind = "threads"
+
+    def __init__(self, shared: dict, rank: int, size: int) -> None:
+        self.shared, self.rank, self.size, self.calls = shared, rank, size, 0
+        self.side_comm: Optional[ThreadComm] = None
+
+    def start(self, buf, name):
+        with self.shared["lock"]:
+            slots = self.shared.setdefault(self.calls, {})
+            slots[self.rank] = np.array(buf, dtype=np.float64)
+        self.calls += 1
+        return self.calls - 1
+
+    def done(self, handle):
+        return len(self.shared.get(handle, {})) == self.size
+
+    def result(self, handle):
+        bufs = list(self.shared[handle].values())
+        if len({b.shape for b in bufs}) > 1:
+            raise RuntimeError("truncated: ranks sent different sizes")
+        return np.sum(bufs, axis=0)
+
+    def side(self):
+        return self.side_comm
+
+
+def world(size: int) -> List[ThreadComm]:
+    """One :class:`ThreadComm` per rank of a new world of ``size``, each with a side channel."""
+    main, side = {"lock": threading.Lock()}, {"lock": threading.Lock()}
+    comms = [ThreadComm(main, r, size) for r in range(size)]
+    for r, c in enumerate(comms):
+        c.side_comm = ThreadComm(side, r, size)
+    return comms
+
+
+def run(size: int, fn: Callable, comms: Optional[List[ThreadComm]] = None, timeout: float = 30.0) -> list:
+    """``fn(rank, comm)`` on every rank of ``comms`` (default: a new ``world(size)``), one
+    thread each; each rank's result, or the exception it raised (a ``TimeoutError`` for a
+    rank still running after ``timeout`` seconds)."""
+    comms = world(size) if comms is None else comms
+    assert len(comms) == size, f"{len(comms)} communicators for a world of {size}"
+    out: list = [None] * size
+
+    def target(r):
+        try:
+            out[r] = fn(r, comms[r])
+        except Exception as e:  # noqa: BLE001 - returned for the test to inspect
+            out[r] = e
+
+    threads = [threading.Thread(target=target, args=(r,), daemon=True) for r in range(size)]
+    for t in threads:
+        t.start()
+    for r, t in enumerate(threads):
+        t.join(timeout=timeout)
+        if t.is_alive():
+            out[r] = TimeoutError(f"rank {r} still running after {timeout:g} s")
+    return out
+
+
+def results(out: list) -> list:
+    """``out`` of :func:`run` when every rank returned; else raise the first rank's error."""
+    for r, e in enumerate(out):
+        if isinstance(e, BaseException):
+            raise AssertionError(f"rank {r} of {len(out)} raised {type(e).__name__}: {e}") from e
+    return out
+
+
+@contextlib.contextmanager
+def collective_timeout(seconds: float):
+    """SyncBN's collective timeout set to ``seconds`` inside the block, then unset."""
+    comm.set_timeout(seconds)
+    try:
+        yield
+    finally:
+        comm._timeout = None
+
+
+@pytest.fixture
+def rank_tmp():
+    """A temporary folder of this process's own. (pytest's ``tmp_path`` keeps one numbered
+    base folder and a ``pytest-current`` link per user, which the ranks of a job race to
+    make and clean up: once in 20 multi-host runs a rank failed at exit on that link.)"""
+    with tempfile.TemporaryDirectory() as folder:
+        yield Path(folder)
