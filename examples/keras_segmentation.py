@@ -270,12 +270,15 @@ def train(model: keras.Model, bn: str, args: argparse.Namespace, train_set: tupl
 
     steps = len(train_set[0]) // hvd.size() // args.batch_size
     callbacks = [BroadcastGlobalVariablesCallback(0), MetricAverageCallback()]
-    if hvd.rank() == 0:  # before EpochEnd, so the bar ends before our lines
+    # One progress bar, on rank 0, where it can redraw in place; elsewhere (horovodrun
+    # pipes the output and tags every redraw) EpochEnd's line per epoch is the progress.
+    bar = hvd.rank() == 0 and sys.stdout.isatty()
+    if bar:  # before EpochEnd, so the bar ends before our lines
         callbacks.append(keras.callbacks.ProgbarLogger())
     callbacks.append(EpochEnd(bn, args, val_set, meta_path, history))
     model.fit(train_dataset(*train_set, start + 1, args.epochs, args, steps), epochs=args.epochs,
               initial_epoch=start, steps_per_epoch=steps, shuffle=False, callbacks=callbacks,
-              verbose=1 if hvd.rank() == 0 else 0)
+              verbose=1 if bar else 0)
     return history
 
 

@@ -133,3 +133,43 @@ def test_keras_layer_runs_over_mpi_without_horovod():
     out = subprocess.run(cmd, cwd=ROOT, env=clean_env(), capture_output=True, text=True, timeout=TIMEOUT_S)
     log = out.stdout + out.stderr
     assert out.returncode == 0 and log.count(": ok") == 2, log[-4000:]
+
+
+TRACED = """
+import logging, io
+import numpy as np, keras, tensorflow as tf
+import horovod.tensorflow as hvd
+import hvd_syncbn.tensorflow as h
+hvd.init()
+log = io.StringIO()
+tf.get_logger().addHandler(logging.StreamHandler(log))
+x = tf.random.normal([3, 4, 4, 2])
+for comm in ("auto", "horovod"):
+    layer = h.SyncBatchNormalization(comm=comm, name=f"bn_{comm}")
+
+    @tf.function
+    def step(t):
+        return layer(t, training=True), h.sync_batch_normalization(t, None, None, 1e-3, name=f"op_{comm}", comm=comm)
+
+    step(x)
+model = h.convert_sync_batchnorm(keras.Sequential([keras.Input((4, 4, 2)), keras.layers.Conv2D(2, 3),
+                                                  keras.layers.BatchNormalization(), keras.layers.Flatten()]))
+model.compile(optimizer=h.DistributedOptimizer(keras.optimizers.SGD()), loss="mse")
+model.fit(np.ones((4, 4, 4, 2), "float32"), np.ones((4, 8), "float32"), batch_size=2, verbose=0)
+assert "AutoGraph" not in log.getvalue(), log.getvalue()
+print(f"rank {hvd.rank()}: ok")
+"""
+
+
+def test_traced_layers_log_no_autograph_warning(tmp_path):
+    """Tracing the layer, the functional op and a converted model's ``fit`` under mpirun
+    (Horovod initialised, over MPI and over Horovod) logs nothing from AutoGraph about our
+    code (it used to warn that it could not transform mpi4py's ``Get_size``). The script
+    is a file: AutoGraph converts only functions whose source it can read."""
+    script = tmp_path / "traced.py"
+    script.write_text(TRACED)
+    cmd = launch_command("mpirun", 2) + [sys.executable, str(script)]
+    env = dict(clean_env(), PYTHONPATH=str(ROOT))  # a script's folder, not ROOT, heads sys.path
+    out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
+    log = out.stdout + out.stderr
+    assert out.returncode == 0 and log.count(": ok") == 2 and "AutoGraph could not" not in log, log[-4000:]

@@ -13,6 +13,7 @@ import time
 from typing import Any, Optional
 
 import numpy as np
+import tensorflow as tf
 
 from hvd_syncbn import comm as base
 from hvd_syncbn import transports
@@ -55,8 +56,6 @@ class HorovodComm(base.Communicator):
             job.event.set()
 
     def start(self, buf, name):
-        import tensorflow as tf
-
         if self.gather:  # the side channel: this rank's row of a (size, k) table, gathered
             row = tf.constant(np.asarray(buf).reshape(self.size, -1)[self.rank : self.rank + 1])
             run = lambda: hvd.allgather(row, process_set=self.ps).numpy().reshape(-1)  # noqa: E731
@@ -112,6 +111,7 @@ def resolve_process_set(process_set: Any) -> Any:
     )
 
 
+@tf.autograph.experimental.do_not_convert  # plain Python (MPI, Horovod): nothing for AutoGraph to trace
 def resolve(kind: Any, process_set: Any, layer: str) -> Optional[base.Communicator]:
     """The communicator for a layer, or ``None`` when this process is alone (plain BN)."""
     hvd_on = hvd is not None and hvd.is_initialized()
