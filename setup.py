@@ -10,7 +10,7 @@ setup(
     python_requires=">=3.9",
     install_requires=["numpy"],
     extras_require={
-        "torch": ["torch>=2.0", "horovod>=0.28"],
+        "torch": ["torch>=2.4", "horovod>=0.28"],
         "tensorflow": ["tensorflow>=2.16", "horovod>=0.28"],
         "test": ["pytest", "hypothesis", "mpi4py"],
         "mpi": ["mpi4py"],

@@ -59,15 +59,21 @@ def set_timeout(seconds: float) -> None:
 
 def get_timeout() -> float:
     """The collective timeout in seconds: :func:`set_timeout`, else ``$HVD_SYNCBN_TIMEOUT``, else 60."""
-    if _timeout is not None:
-        return _timeout
-    raw = os.environ.get(TIMEOUT_ENV, "60")
+    return _timeout if _timeout is not None else env_seconds(TIMEOUT_ENV, 60.0)
+
+
+def env_seconds(name: str, default: float, zero: bool = False) -> float:
+    """Seconds from the environment variable ``name`` (``default`` if unset): a positive
+    number, or 0 too where ``zero``; else ``ValueError`` naming the variable."""
+    raw = os.environ.get(name)
+    if raw is None:
+        return default
     try:
         value = float(raw)
     except ValueError:
         value = -1.0
-    if not value > 0:
-        raise ValueError(f"{TIMEOUT_ENV}: expected a positive number of seconds, got {raw!r}")
+    if not (value >= 0 if zero else value > 0) or not math.isfinite(value):
+        raise ValueError(f"{name}: expected a {'non-negative' if zero else 'positive'} number of seconds, got {raw!r}")
     return value
 
 
@@ -193,13 +199,13 @@ def prepend(head: List[float], payload: np.ndarray) -> np.ndarray:
     return np.concatenate([np.asarray(head, dtype=np.float64), payload])
 
 
-def allreduce(comm: Communicator, payload: np.ndarray, call: Call) -> np.ndarray:
+def allreduce(comm: Communicator, payload: np.ndarray, call: Call, timeout: Optional[float] = None) -> np.ndarray:
     """Sum the float64 ``payload`` over ``comm``'s ranks behind the identity header;
     returns the sum without the header. Raises :class:`SyncBatchNormError` on every rank
-    it can reach if the ranks are not in the same collective or one does not answer in
-    time."""
+    it can reach if the ranks are not in the same collective or one does not answer
+    within ``timeout`` seconds (default: :func:`get_timeout`)."""
     head = header(call, comm.size)
-    timeout, since = get_timeout(), time.monotonic()
+    timeout, since = timeout or get_timeout(), time.monotonic()
     try:
         handle = comm.start(prepend(head, payload), call.name)
         if not _wait(comm, handle, since + timeout):

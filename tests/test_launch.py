@@ -90,7 +90,10 @@ OTHER_PATHS = [("tests/ranks_torch.py", "mpirun", 2, "horovod"), ("tests/ranks_t
                ("tests/ranks_torch.py", "horovodrun-gloo", 2, "torch"),
                ("tests/ranks_props.py", "mpirun", 2, "horovod"),
                # Keras's own BN tests with our layer swapped in, at 2 ranks on both default transports.
-               ("tests/ranks_keras_bn.py", "mpirun", 2, ""), ("tests/ranks_keras_bn.py", "horovodrun-gloo", 2, "")]
+               ("tests/ranks_keras_bn.py", "mpirun", 2, ""), ("tests/ranks_keras_bn.py", "horovodrun-gloo", 2, ""),
+               # The device path, eager and compiled: functional collectives on Gloo, the custom op over MPI/Horovod.
+               ("tests/ranks_compile.py", "mpirun", 2, "torch"), ("tests/ranks_compile.py", "mpirun", 3, "torch"),
+               ("tests/ranks_compile.py", "mpirun", 2, "mpi"), ("tests/ranks_compile.py", "mpirun", 3, "horovod")]
 
 
 @pytest.mark.parametrize("suite", SUITES)

@@ -6,6 +6,7 @@ A drop-in for ``nn.BatchNorm1d/2d/3d`` whose batch statistics cover every rank.
 from __future__ import annotations
 
 import itertools
+import os
 from typing import Any, Optional
 
 import numpy as np
@@ -19,6 +20,7 @@ from hvd_syncbn import backend
 from hvd_syncbn import comm as transport
 from hvd_syncbn import transports
 from hvd_syncbn.torch import comm as torch_comm
+from hvd_syncbn.torch import device
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 _layer_ids = itertools.count()
@@ -28,33 +30,7 @@ _NUMPY = {torch.float32: np.float32, torch.float64: np.float64}
 _CENTRED_FROM = 1 << 15  # values; below, the native statistics kernel is as fast on CPU
 
 
-class _TorchOps:
-    """:class:`hvd_syncbn.backend.ArrayOps` for torch tensors."""
-
-    concat, maximum, any = staticmethod(torch.cat), staticmethod(torch.clamp_min), staticmethod(torch.any)
-
-    @staticmethod
-    def wide(x: Tensor) -> Tensor:
-        return x.to(torch.float64)
-
-    @staticmethod
-    def sum(x: Tensor, axes) -> Tensor:
-        return x.sum(list(axes), keepdim=True)
-
-    @staticmethod
-    def flat(x: Tensor) -> Tensor:
-        return x.reshape(-1)
-
-    @staticmethod
-    def keep(x: Tensor, where: Tensor) -> Tensor:
-        return torch.where(where, x, 0.0)
-
-    @staticmethod
-    def rows(x: Tensor, axes) -> Tensor:
-        return torch.tensor([float(np.prod([x.shape[a] for a in axes]))], dtype=torch.float64, device=x.device)
-
-
-_TORCH_OPS = _TorchOps()
+_TORCH_OPS = device.TORCH_OPS
 
 
 def _host(t: Tensor) -> np.ndarray:
@@ -123,7 +99,7 @@ def _shifted_sums(x: Tensor, shift: Tensor) -> tuple[np.ndarray, np.ndarray]:
     """Per-channel ``Σc`` and ``Σc²`` of ``c = x − shift``, in float64 on the host: one
     pass for ``c``, one for both sums, by the gradient kernel's ``Σdy`` and
     ``Σdy·(x − m)·invstd`` with ``dy = x = c``, m 0 and invstd 1."""
-    centred = x - _per_channel(shift, x)  # (N, C, *)
+    centred = x - device.per_channel(shift, x)  # (N, C, *)
     zeros, ones = torch.zeros_like(shift), torch.ones_like(shift)
     _, squares, total = torch.ops.aten.native_batch_norm_backward(
         centred, centred, None, None, None, zeros, ones, True, 0.0, [False, True, True]
@@ -201,15 +177,10 @@ class _SyncBatchNormFn(torch.autograd.Function):
             # s·x̂ + t through the native kernel (it normalises x with mean/var), then + k·dy.
             dx = torch.batch_norm(x, _to(s, x, mean.dtype), _to(t, x, mean.dtype), mean, var, False, 0.0,
                                   layer.eps, torch.backends.cudnn.enabled)
-            dx = dx.addcmul_(dy, _per_channel(_to(k, x, mean.dtype).to(x.dtype), x))
+            dx = dx.addcmul_(dy, device.per_channel(_to(k, x, mean.dtype).to(x.dtype), x))
         dw = sum_dy_xhat.to(weight.dtype) if need_w else None
         db = sum_dy.to(weight.dtype) if need_b else None
         return dx, dw, db, None, None
-
-
-def _per_channel(v: Tensor, like: Tensor) -> Tensor:
-    """``(C,)`` viewed to broadcast against ``(N, C, *)``."""
-    return v.view((1, -1) + (1,) * (like.dim() - 2))
 
 
 class SyncBatchNorm(_BatchNorm):
@@ -251,6 +222,12 @@ class SyncBatchNorm(_BatchNorm):
             with mpi4py, else Horovod. Default: ``$HVD_SYNCBN_COMM``, else ``"auto"``.
         check_finite: raise ``ValueError`` on every rank, before any update, when the
             global statistics are not finite (NaN/Inf in some rank's input). Default: ``False``.
+        stats: where the per-channel statistics are computed between the passes over the
+            data: ``"host"`` (numpy, fastest for CPU tensors in eager mode), ``"device"``
+            (tensors on the input's device, no host read, traceable by ``torch.compile``;
+            its checks are deferred to :func:`~hvd_syncbn.torch.check`) or ``"auto"``:
+            the device for CUDA inputs and under ``torch.compile``, else the host.
+            Default: ``$HVD_SYNCBN_STATS``, else ``"auto"``.
 
     Shape:
         - Input: ``(N, C, *)``, any memory format; ``N`` may differ per rank, even 0.
@@ -278,22 +255,34 @@ class SyncBatchNorm(_BatchNorm):
         name: Optional[str] = None,
         comm: Optional[str] = None,
         check_finite: bool = False,
+        stats: Optional[str] = None,
     ) -> None:
         _check_args(num_features, eps, momentum)
         super().__init__(num_features, eps, momentum, affine, track_running_stats, device, dtype, bias=bias)
-        self._init_sync(process_set, name, comm, check_finite)
+        self._init_sync(process_set, name, comm, check_finite, stats)
 
-    def _init_sync(self, process_set: Any, name: Optional[str], comm: Optional[str], check_finite: bool) -> None:
+    def _init_sync(self, process_set: Any, name: Optional[str], comm: Optional[str], check_finite: bool,
+                   stats: Optional[str] = None) -> None:
         """Set what this class adds to ``_BatchNorm`` (also for a layer made by conversion)."""
         transports.requested_kind(comm)
         self.process_set = process_set
         self.layer_name = name or f"SyncBatchNorm_{next(_layer_ids)}"
         self.comm = comm
         self.check_finite = bool(check_finite)
+        self.stats = _stats_choice(stats)
         self._mean_guess: Optional[Tensor] = None  # last global batch mean (see _local_moments)
+        like = next((t for t in (self.weight, self.running_mean) if t is not None), None)
+        self.register_buffer("_sync_errors", torch.zeros(3, dtype=torch.bool, device=None if like is None
+                                                         else like.device), persistent=False)
 
-    _SYNC_ATTRIBUTES = ("process_set", "layer_name", "comm", "check_finite", "_mean_guess")
-    """What :meth:`_init_sync` sets; reverting to plain BN drops these."""
+    _SYNC_ATTRIBUTES = ("process_set", "layer_name", "comm", "check_finite", "stats", "_mean_guess")
+    """What :meth:`_init_sync` sets (and the ``_sync_errors`` buffer); reverting to plain BN drops these."""
+
+    def train(self, mode: bool = True) -> "SyncBatchNorm":
+        """As ``nn.Module.train``, after raising the device path's deferred errors
+        (:func:`~hvd_syncbn.torch.check`)."""
+        device.check(self)
+        return super().train(mode)
 
     def _check_input_dim(self, input: Tensor) -> None:
         backend.check_input(
@@ -307,9 +296,12 @@ class SyncBatchNorm(_BatchNorm):
             return params.dtype
         return torch.float64 if x.dtype == torch.float64 else torch.float32
 
+    def _resolve_comm(self) -> Optional[transport.Communicator]:
+        return torch_comm.resolve(self.comm, self.process_set, self.layer_name)
+
     def _comm(self) -> Optional[transport.Communicator]:
         """The communicator of this call, or ``None`` when this process is alone."""
-        comm = torch_comm.resolve(self.comm, self.process_set, self.layer_name)
+        comm = device.traced_comm(self) if torch.compiler.is_compiling() else self._resolve_comm()
         return comm if comm is not None and comm.size > 1 else None
 
     def _momentum_now(self, count: float) -> Optional[float]:
@@ -323,6 +315,9 @@ class SyncBatchNorm(_BatchNorm):
     def forward(self, input: Tensor) -> Tensor:
         comm = self._comm() if self.training or not self.track_running_stats else None
         if comm is not None:
+            if self.stats == "device" or self.stats == "auto" and (
+                    input.device.type != "cpu" or torch.compiler.is_compiling()):
+                return device.forward(self, input, comm, self._acc_dtype(input))
             return _SyncBatchNormFn.apply(input, self.weight, self.bias, self, comm)
         rows = _rows(input) if self.training else None
         if rows is not None and (self.check_finite or rows < 2):
@@ -342,6 +337,18 @@ class SyncBatchNorm(_BatchNorm):
 def _rows(x: Tensor) -> int:
     """Rows per channel of ``(N, C, *)`` (0 for an empty or malformed input)."""
     return x.numel() // x.shape[1] if x.dim() > 1 and x.shape[1] else 0
+
+
+STATS_ENV = "HVD_SYNCBN_STATS"
+
+
+def _stats_choice(stats: Optional[str]) -> str:
+    """``stats``, else ``$HVD_SYNCBN_STATS``, else ``"auto"``, checked."""
+    value = stats if stats is not None else os.environ.get(STATS_ENV, "auto")
+    if value not in ("auto", "host", "device"):
+        where = "stats" if stats is not None else f"${STATS_ENV}"
+        raise ValueError(f"SyncBatchNorm: expected {where} to be 'auto', 'host' or 'device', got {value!r}")
+    return value
 
 
 def _check_args(num_features: Any, eps: Any, momentum: Any) -> None:

@@ -150,6 +150,8 @@ def revert_sync_batchnorm(module: nn.Module) -> nn.Module:
         if plain is None:
             raise ValueError(f"revert_sync_batchnorm: {_where(path)} is a {type(m).__name__} "
                              "built directly, so its plain class is unknown; build it by convert_sync_batchnorm")
-        return _recast(m, plain, drop=(*SyncBatchNorm._SYNC_ATTRIBUTES, "_plain_class"))
+        new = _recast(m, plain, drop=(*SyncBatchNorm._SYNC_ATTRIBUTES, "_plain_class"))
+        del new._buffers["_sync_errors"]
+        return new
 
     return _replace(module, swap)

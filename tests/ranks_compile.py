@@ -1,0 +1,129 @@
+"""The device path of the PyTorch layer, eager and under ``torch.compile(fullgraph=True)``,
+against one process running plain BN on the concatenated batch.
+
+Launched by ``test_launch.py`` under mpirun at 2 and 3 ranks, once per transport
+(``$HVD_SYNCBN_COMM``): ``torch`` (a Gloo group: functional collectives), ``mpi`` and
+``horovod`` (the custom op). A converted small CNN trains 3 SGD steps on unequal shards
+(one rank empty at 3 ranks); outputs, parameters after every step (so every gradient),
+running statistics and ``num_batches_tracked`` must match float64 plain BN.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections import OrderedDict
+
+import numpy as np
+import pytest
+import torch
+from mpi4py import MPI
+from torch import nn
+
+from hvd_syncbn import comm as transport
+from hvd_syncbn.torch import SyncBatchNorm, convert_sync_batchnorm
+from oracle import EMPTY, UNEQUAL, assert_close, global_batch, shard_sizes, shard_slice
+
+RANK, WORLD = MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
+COMM = os.environ["HVD_SYNCBN_COMM"]
+if COMM == "torch":
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=os.environ["HVD_SYNCBN_TEST_INIT"], rank=RANK, world_size=WORLD)
+elif COMM == "horovod":
+    import horovod.torch as hvd
+
+    hvd.init()
+SIZES = shard_sizes(UNEQUAL if WORLD == 2 else EMPTY, WORLD)
+MINE = shard_slice(SIZES, RANK)
+STEPS, LR = 3, 0.1
+
+
+def net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(),
+                         nn.Conv2d(4, 5, 3, padding=1), nn.BatchNorm2d(5, momentum=None), nn.ReLU(),
+                         nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(5, 3))
+
+
+def batches():
+    n = sum(SIZES)
+    return [(torch.from_numpy(global_batch(s, n, (3, 6, 6), offset=0.5 * s)),
+             torch.from_numpy(global_batch(100 + s, n, (3,)))) for s in range(STEPS)]
+
+
+def train(model, step_fn, data, rows, allreduce=None):
+    """``STEPS`` of SGD on ``loss = Σ(out·target)/N`` over the global batch; each step's
+    output and the state after it. ``allreduce`` sums the gradients over the ranks."""
+    seen = []
+    for x, target in data:
+        out = step_fn(x)
+        (out * target).sum().div(rows).backward()
+        with torch.no_grad():
+            for p in model.parameters():
+                g = p.grad if allreduce is None else allreduce(p.grad)
+                p -= LR * g
+                p.grad = None
+        seen.append(dict(out=out.detach().clone(), **{k: v.detach().clone() for k, v in model.state_dict().items()}))
+    return seen
+
+
+def grads_summed(g: torch.Tensor) -> torch.Tensor:
+    buf = g.detach().double().numpy().copy()
+    MPI.COMM_WORLD.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
+    return torch.from_numpy(buf).to(g.dtype)
+
+
+@pytest.fixture(scope="module")
+def expected():
+    model = net().double()
+    data = [(x.double(), t.double()) for x, t in batches()]
+    return train(model, model, data, sum(SIZES))
+
+
+# inductor around the custom op runs over mpi; horovod changes only the op's transport.
+MODES = ["eager-host", "eager-device", "aot_eager"] + (["inductor"] if COMM != "horovod" else [])
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_converted_cnn_matches_plain_bn_on_the_whole_batch(mode, expected):
+    model = convert_sync_batchnorm(net())
+    for m in model.modules():
+        if isinstance(m, SyncBatchNorm):
+            m.stats = "host" if mode == "eager-host" else "device"
+    step = model if mode.startswith("eager") else torch.compile(model, fullgraph=True, backend=mode)
+    data = [(x[MINE], t[MINE]) for x, t in batches()]
+    got = train(model, step, data, sum(SIZES), grads_summed)
+    for s, (g, want) in enumerate(zip(got, expected)):
+        assert_close(g.pop("out"), want["out"][MINE], f"{mode} output, step {s}", rtol=1e-4, atol=1e-5)
+        for name, value in g.items():
+            assert_close(value, want[name], f"{mode} {name} after step {s}", rtol=1e-4, atol=1e-5)
+    assert model[4].num_batches_tracked.item() == STEPS
+    assert model[1].layer_name == "1" and model[1].comm is None
+
+
+def test_converted_cnn_forward_has_no_graph_break():
+    model = convert_sync_batchnorm(net())
+    explained = torch._dynamo.explain(model)(torch.randn(SIZES[RANK], 3, 6, 6))
+    assert explained.graph_break_count == 0, [str(r.reason)[:300] for r in explained.break_reasons]
+    assert explained.graph_count == 1, explained.graph_count
+
+
+def a_peer_still_compiling_does_not_trip_the_timeout():
+    """A first step that takes 3 timeouts on rank 0 (as a slow compile would) is waited
+    for: the first collective of each layer gets HVD_SYNCBN_COMPILE_TIMEOUT more."""
+    model = convert_sync_batchnorm(nn.Sequential(OrderedDict(fresh=net())))  # layers "fresh.1", "fresh.4"
+    step = torch.compile(model, fullgraph=True, backend="aot_eager")
+    transport.set_timeout(1.0)
+    try:
+        if RANK == 0:
+            time.sleep(3.0)
+        out = step(torch.randn(SIZES[RANK], 3, 6, 6))
+        out.sum().backward()
+    finally:
+        transport._timeout = None
+    assert np.isfinite(out.detach().numpy()).all()
+
+
+if COMM != "torch":  # functional collectives wait by the process group's own timeout
+    test_a_peer_still_compiling_does_not_trip_the_timeout = a_peer_still_compiling_does_not_trip_the_timeout

@@ -1,0 +1,184 @@
+"""The PyTorch device path in one process: no host read in forward or backward, shape
+propagation under ``FakeTensorMode``, the deferred checks and their host point.
+
+A fake ``torch.distributed`` group of 2 ranks (``torch.testing``'s ``FakeStore``) gives
+the layers a world without peers: its all_reduce leaves each buffer as it is, so values
+are one rank's, which is what these tests need (the sums are tested across real ranks by
+``ranks_compile.py`` and in thread worlds by ``test_backend.py``).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+import torch.distributed as dist  # noqa: E402
+from torch import nn  # noqa: E402
+from torch.testing._internal.distributed.fake_pg import FakeStore  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+
+from hvd_syncbn import comm as transport  # noqa: E402
+from hvd_syncbn.torch import SyncBatchNorm, check, convert_sync_batchnorm  # noqa: E402
+from conftest import collective_timeout, results, run  # noqa: E402
+
+SYNCING_METHODS = ("item", "tolist", "numpy", "cpu", "__bool__", "__float__", "__int__", "__index__", "__array__")
+aten = torch.ops.aten
+SYNCING_OPS = (aten._local_scalar_dense.default, aten.nonzero.default, aten.masked_select.default)
+
+
+@pytest.fixture
+def fake_world():
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+class HostReads(TorchDispatchMode):
+    """Records every op that reads a tensor's value on the host (a device sync on CUDA):
+    ``_local_scalar_dense`` (``item``, ``bool``, ...), ``nonzero``, boolean-mask indexing."""
+
+    def __init__(self, log: list) -> None:
+        super().__init__()
+        self.log = log
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        masked = func is aten.index.Tensor and any(
+            t is not None and t.dtype == torch.bool for t in (args[1] if len(args) > 1 else []))
+        if func in SYNCING_OPS or masked:
+            self.log.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.fixture
+def host_reads(monkeypatch):
+    """A list that fills with every host read made while the test runs: the Tensor
+    methods that sync, and (by :class:`HostReads`) the ops that do."""
+    log: list = []
+    for name in SYNCING_METHODS:
+        real = getattr(torch.Tensor, name)
+
+        def wrapped(self, *args, _real=real, _name=name, **kwargs):
+            log.append(_name)
+            return _real(self, *args, **kwargs)
+
+        monkeypatch.setattr(torch.Tensor, name, wrapped)
+    return log
+
+
+def cnn(stats: str) -> nn.Module:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(),
+                          nn.Conv2d(4, 5, 3, padding=1), nn.BatchNorm2d(5, momentum=None), nn.ReLU())
+    model = convert_sync_batchnorm(model)
+    for m in model.modules():
+        if isinstance(m, SyncBatchNorm):
+            m.stats = stats
+    return model
+
+
+@pytest.mark.parametrize("rows", [3, 0])
+def test_device_path_makes_no_host_read_in_forward_and_backward(fake_world, host_reads, rows):
+    """Zero host reads on the device path (an empty rank included); the host path (over
+    a local communicator), for contrast, makes them, so the count can fail."""
+    counts = {}
+    for stats in ("device", "host"):
+        model = cnn(stats)
+        for m in model.modules():
+            if isinstance(m, SyncBatchNorm) and stats == "host":
+                m.comm = transport.LocalCommunicator(2)
+        x = torch.randn(rows, 3, 6, 6, requires_grad=True)
+        host_reads.clear()
+        with HostReads(host_reads):
+            model(x).square().sum().backward()
+        counts[stats] = list(host_reads)
+    assert counts["device"] == [], f"host reads on the device path: {counts['device']}"
+    assert len(counts["host"]) > 0, "the counter saw no host read on the host path"
+
+
+def test_device_path_runs_under_fake_tensor_mode(fake_world):
+    """Shapes and dtypes propagate with no real data (how torch.compile traces it)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        model = cnn("device")
+        x = torch.randn(3, 3, 6, 6, requires_grad=True)
+        y = model(x)
+        y.sum().backward()
+    assert y.shape == (3, 5, 6, 6) and x.grad.shape == x.shape
+    assert model[1].running_mean.shape == (4,)
+
+
+def test_deferred_errors_are_raised_by_check_and_on_mode_switch():
+    """Over a thread world of 2 (the custom op): a global batch of one row, and
+    non-finite statistics with check_finite, raise on every rank at ``check(model)`` or
+    ``model.eval()``, naming the layer, and leave the running statistics alone; a later
+    clean step updates them."""
+
+    def rank(r, comm):
+        model = cnn("device")
+        for m in model.modules():
+            if isinstance(m, SyncBatchNorm):
+                m.comm, m.check_finite = comm, True
+        before = model[1].running_mean.clone()
+        model(torch.randn(1 - r, 3, 1, 1))  # one value per channel in all
+        assert torch.equal(model[1].running_mean, before) and model[1].num_batches_tracked.item() == 0
+        with pytest.raises(ValueError, match=r"^SyncBatchNorm \(device path\): 1: expected more than 1 value"):
+            check(model)
+        check(model)  # cleared
+        bad = torch.randn(2, 3, 6, 6)
+        bad[0, 0, 0, 0] = float("nan") if r == 1 else 0.0
+        model(bad)
+        with pytest.raises(ValueError, match="1: expected finite inputs"):
+            model.eval()  # stops at the first layer with an error ...
+        with pytest.raises(ValueError, match="4: expected finite inputs"):
+            check(model)  # ... the others raise at the next host point
+        assert torch.equal(model[1].running_mean, before)
+        model.train()
+        model(torch.randn(2, 3, 6, 6))
+        check(model)
+        assert model[1].num_batches_tracked.item() == 1 and not torch.equal(model[1].running_mean, before)
+        return True
+
+    with collective_timeout(10.0):
+        assert results(run(2, rank)) == [True, True]
+
+
+def test_header_mismatch_poisons_the_output_and_raises_at_check(fake_world):
+    """The fake group's all_reduce returns each buffer as it is, so the static header
+    sums to ``h``, not ``2h``, as when ranks sum different collectives: the output is
+    NaN, nothing updates, and ``check`` raises SyncBatchNormError naming the layers."""
+    model = cnn("device")
+    y = model(torch.randn(3, 3, 6, 6))
+    assert torch.isnan(y).all()
+    assert model[1].num_batches_tracked.item() == 0 and model[4].num_batches_tracked.item() == 0
+    with pytest.raises(transport.SyncBatchNormError, match="1: ranks summed different collectives.*; 4: ranks"):
+        check(model)
+
+
+def test_bad_stats_and_compile_timeout_are_refused_with_what_was_expected(monkeypatch):
+    from hvd_syncbn.torch import device
+
+    with pytest.raises(ValueError, match=r"expected stats to be 'auto', 'host' or 'device', got 'gpu'"):
+        SyncBatchNorm(4, stats="gpu")
+    monkeypatch.setenv("HVD_SYNCBN_STATS", "cuda")
+    with pytest.raises(ValueError, match=r"expected \$HVD_SYNCBN_STATS to be 'auto', 'host' or 'device', got 'cuda'"):
+        convert_sync_batchnorm(nn.BatchNorm2d(4))
+    monkeypatch.setenv("HVD_SYNCBN_STATS", "device")
+    assert SyncBatchNorm(4).stats == "device" and SyncBatchNorm(4, stats="host").stats == "host"
+    monkeypatch.setenv("HVD_SYNCBN_COMPILE_TIMEOUT", "-1")
+    with pytest.raises(ValueError, match="HVD_SYNCBN_COMPILE_TIMEOUT: expected a non-negative number of seconds, got '-1'"):
+        device.compile_timeout()
+    monkeypatch.setenv("HVD_SYNCBN_COMPILE_TIMEOUT", "0")
+    assert device.compile_timeout() == 0.0
+
+
+def test_revert_drops_what_the_device_path_added():
+    from hvd_syncbn.torch import revert_sync_batchnorm
+
+    model = revert_sync_batchnorm(cnn("device"))
+    assert type(model[1]) is nn.BatchNorm2d and "_sync_errors" not in dict(model[1].named_buffers())
+    assert not hasattr(model[1], "stats")
+    assert set(model.state_dict()) == set(nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(),
+                                                        nn.Conv2d(4, 5, 3), nn.BatchNorm2d(5)).state_dict())
