@@ -25,14 +25,19 @@ command -v mpirun >/dev/null || missing+=(openmpi-bin)
 command -v g++ >/dev/null || missing+=(g++)
 command -v cmake >/dev/null || missing+=(cmake)
 command -v make >/dev/null || missing+=(make)
-"$PYTHON" -c 'import ensurepip, venv' 2>/dev/null || missing+=(python3-venv)
-[ -n "$("$PYTHON" -c 'import sysconfig; import os; print(os.path.exists(sysconfig.get_paths()["include"] + "/Python.h") or "")')" ] \
-  || missing+=(python3-dev)
+if command -v "$PYTHON" >/dev/null; then
+  "$PYTHON" -c 'import ensurepip, venv' 2>/dev/null || missing+=(python3-venv)
+  [ -n "$("$PYTHON" -c 'import sysconfig; import os; print(os.path.exists(sysconfig.get_paths()["include"] + "/Python.h") or "")')" ] \
+    || missing+=(python3-dev)
+else
+  missing+=(python3 python3-venv python3-dev)   # a bare Debian, as the image's base
+fi
 if [ ${#missing[@]} -gt 0 ]; then
   log "apt-get install ${missing[*]}"
   as_root apt-get update -qq
   DEBIAN_FRONTEND=noninteractive as_root apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
 fi
+command -v "$PYTHON" >/dev/null || die "no $PYTHON: set PYTHON to a Python 3.9+ interpreter"
 
 # 2. The virtual environment and the Python packages (skipped when already pinned).
 [ -x "$VENV/bin/python" ] || { log "creating $VENV"; "$PYTHON" -m venv "$VENV"; }
@@ -87,12 +92,27 @@ if ! "$PY" -c 'import horovod' 2>/dev/null; then
   "$PY" -m pip install -q --no-deps --force-reinstall "$wheel_dir"/horovod-*.whl
 fi
 
-# 4. The project itself, editable, and a check that Horovod has everything we use.
+# 4. The project itself, editable.
 here=$(cd /tmp && "$PY" -c 'import hvd_syncbn, os; print(os.path.dirname(os.path.dirname(hvd_syncbn.__file__)))' 2>/dev/null || true)
 if [ "$here" != "$ROOT" ]; then
   "$PY" -m pip install -q --no-deps --no-build-isolation -e "$ROOT" >/dev/null 2>&1 \
     || "$PY" -m pip install --no-deps --no-build-isolation -e "$ROOT"
 fi
+
+# 5. With HVD_SYNCBN_DROP_BUILD_DEPS=1 (the image), remove the build-only packages this
+#    run installed (compilers, headers, cmake).
+if [ "${HVD_SYNCBN_DROP_BUILD_DEPS:-0}" = 1 ]; then
+  build_only=()
+  for pkg in "${missing[@]}"; do
+    case $pkg in g++|cmake|make|libopenmpi-dev|python3-dev) build_only+=("$pkg") ;; esac
+  done
+  if [ ${#build_only[@]} -gt 0 ]; then
+    log "apt-get purge --auto-remove ${build_only[*]}"
+    DEBIAN_FRONTEND=noninteractive as_root apt-get purge -y -qq --auto-remove "${build_only[@]}" >/dev/null
+  fi
+fi
+
+# 6. A check that Horovod has everything we use.
 check=$(PATH="$VENV/bin:$PATH" TF_CPP_MIN_LOG_LEVEL=3 "$VENV/bin/horovodrun" --check-build 2>/dev/null)
 for want in TensorFlow PyTorch MPI Gloo; do
   echo "$check" | grep -q "\[X\] $want" || { echo "$check" >&2; die "horovodrun --check-build lacks $want"; }

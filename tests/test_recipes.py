@@ -77,6 +77,16 @@ def test_dockerfile_runs_the_install_script_the_tests_run():
     assert re.search(r"^bash \"\$ROOT/launch/install.sh\"", (ROOT / "launch" / "test.sh").read_text(), re.M)
 
 
+def test_recipes_run_the_image_launch_image_sh_builds():
+    tag = re.search(r"^TAG=\$\{TAG:-(\S+)\}$", (ROOT / "launch" / "image.sh").read_text(), re.M).group(1)
+    k8s_base = [args for op, args in dockerfile_instructions(ROOT / "launch" / "k8s" / "Dockerfile") if op == "ARG"]
+    assert f"BASE_IMAGE={tag}" in k8s_base, f"launch/k8s/Dockerfile must build FROM {tag}: {k8s_base}"
+    images = {c["image"] for spec in yaml.safe_load(MPIJOB.read_text())["spec"]["mpiReplicaSpecs"].values()
+              for c in spec["template"]["spec"]["containers"]}
+    assert images == {f"{tag}-mpijob"}, images
+    assert f"dockerd://{tag}" in SBATCH.read_text()
+
+
 # --- shell scripts -------------------------------------------------------------------
 
 
