@@ -77,10 +77,10 @@ def moments(x: Tensor, acc: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
     device with no host read: ``var_mean`` in ``acc`` of the data shifted by one of its
     own values per channel (a shift within a few standard deviations of the mean keeps
     the float32 mean's rounding far below the spread), the shift added back in float64."""
-    dims, channels = [0, *range(2, x.dim())], x.shape[1]
+    dims = [0, *range(2, x.dim())]
     count = TORCH_OPS.rows(x, dims)
-    if x.numel() == 0:
-        zeros = torch.zeros(channels, dtype=torch.float64, device=x.device)
+    if x.numel() == 0:  # zeros that depend on x, so that a compiler keeps the collective in place
+        zeros = x.detach().to(torch.float64).sum(dims)
         return count, zeros, zeros
     shift = x.detach()[(0, slice(None)) + (0,) * (x.dim() - 2)].to(acc)  # (C,)
     var, mean = torch.var_mean(x.detach().to(acc) - per_channel(shift, x), dims, correction=0)
@@ -189,8 +189,9 @@ class _DeviceFn(torch.autograd.Function):
     def backward(ctx, dy, *_):
         x, weight, mean, var, invstd, total = ctx.saved_tensors
         layer = ctx.layer
-        if x.numel() == 0:
-            sum_dy_xhat = sum_dy = torch.zeros(x.shape[1], dtype=mean.dtype, device=x.device)
+        if x.numel() == 0:  # zeros from dy: a constant buffer lets AOTAutograd move the
+            dims = [0, *range(2, x.dim())]  # backward's collective into the forward graph
+            sum_dy_xhat = sum_dy = dy.to(mean.dtype).sum(dims)
         else:
             _, sum_dy_xhat, sum_dy = torch.ops.aten.native_batch_norm_backward(
                 dy, x, None, None, None, mean, invstd.to(mean.dtype), True, layer.eps, [False, True, True])
