@@ -1,0 +1,233 @@
+"""GPU check of the PyTorch device path: one command, one table, under 8 minutes on one GPU.
+
+    python benchmarks/gpu_check.py             # a machine with a CUDA GPU (no Horovod needed)
+    python benchmarks/gpu_check.py --dry-run   # any machine: the same plumbing on the CPU, tiny sizes
+
+Checks, each a row of the table:
+
+1. forward+backward per layer for the benchmark shapes, ours (device path over a 1-rank
+   ``torch.distributed`` group: NCCL on the GPU) against ``nn.BatchNorm2d``, float32 and
+   bfloat16 input;
+2. ``torch.cuda.set_sync_debug_mode("error")`` over 3 training steps of a converted
+   ResNet-50: no host sync;
+3. a CUDA-graph capture and replay of a training step, against the same step eager;
+4. 2 processes sharing the device over Gloo, against one process running plain BN on
+   the concatenated batch.
+
+The layers get the 1-rank group's communicator directly: alone, ``SyncBatchNorm`` would
+be plain BN and make no collective.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from hvd_syncbn.torch import SyncBatchNorm, convert_sync_batchnorm  # noqa: E402
+from hvd_syncbn.torch.comm import TorchDistComm  # noqa: E402
+
+try:
+    from common import SHAPES
+except ImportError:  # run from elsewhere
+    from benchmarks.common import SHAPES
+
+ROWS: list = []
+
+
+def row(check: str, setting: str, result: str) -> None:
+    ROWS.append((check, setting, result))
+    print(f"  {check:<28} {setting:<34} {result}", flush=True)
+
+
+def force(comm) -> None:
+    """Every SyncBatchNorm uses ``comm`` (1 rank here), on the device path."""
+    SyncBatchNorm._resolve_comm = lambda self: comm
+    SyncBatchNorm._comm = lambda self: comm
+
+
+def timed(fn, device, iters: int) -> float:
+    """Median ms of ``fn()``."""
+    times = []
+    for i in range(iters + 3):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        if i >= 3:
+            times.append(1e3 * (time.perf_counter() - start))
+    return sorted(times)[len(times) // 2]
+
+
+def per_layer(device, shapes, iters: int) -> None:
+    for shape in shapes:
+        for dtype in (torch.float32, torch.bfloat16):
+            x = torch.randn(shape, device=device, dtype=dtype, requires_grad=True)
+            dy = torch.randn_like(x)
+            ms = {}
+            for name, layer in (("plain", nn.BatchNorm2d(shape[1])), ("ours", SyncBatchNorm(shape[1], stats="device"))):
+                layer = layer.to(device)
+
+                def step(layer=layer):
+                    layer(x).backward(dy)
+
+                ms[name] = timed(step, device, iters)
+            row("fwd+bwd per layer", f"{tuple(shape)} {str(dtype)[6:]}",
+                f"{ms['ours']:.3f} ms vs BN {ms['plain']:.3f} ms ({ms['ours'] / ms['plain']:.2f}x)")
+
+
+def resnet50() -> nn.Module:
+    try:
+        import torchvision
+
+        return torchvision.models.resnet50(weights=None)
+    except Exception:  # noqa: BLE001 - no (working) torchvision: a stand-in with the same layer types
+        blocks = [nn.Conv2d(3, 64, 7, 2, 3), nn.BatchNorm2d(64), nn.ReLU()]
+        for c_in, c_out in ((64, 256), (256, 512), (512, 1024), (1024, 2048)):
+            blocks += [nn.Conv2d(c_in, c_out, 3, 2, 1), nn.BatchNorm2d(c_out), nn.ReLU()]
+        return nn.Sequential(*blocks, nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(2048, 1000))
+
+
+def training_step(model, opt, x, target):
+    opt.zero_grad(set_to_none=False)
+    loss = nn.functional.cross_entropy(model(x), target)
+    loss.backward()
+    opt.step()
+    return loss
+
+
+def no_sync(device, size: int) -> None:
+    model = convert_sync_batchnorm(resnet50()).to(device)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    x = torch.randn(2, 3, size, size, device=device)
+    target = torch.randint(0, 1000, (2,), device=device)
+    if device.type != "cuda":
+        for _ in range(3):
+            training_step(model, opt, x, target)
+        row("host syncs, ResNet-50", "3 steps", "ran; sync debug mode needs CUDA (dry run)")
+        return
+    training_step(model, opt, x, target)  # warm-up: cuDNN and NCCL set-up may sync
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(3):
+            training_step(model, opt, x, target)
+        result = "0 syncs"
+    except RuntimeError as e:
+        result = f"SYNC: {str(e).splitlines()[0][:60]}"
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    row("host syncs, ResNet-50", "3 steps, sync debug 'error'", result)
+
+
+def cuda_graph(device) -> None:
+    if device.type != "cuda":
+        row("CUDA graph", "capture + replay", "needs CUDA (dry run)")
+        return
+    torch.manual_seed(0)
+    model = convert_sync_batchnorm(nn.Sequential(nn.Conv2d(3, 16, 3), nn.BatchNorm2d(16), nn.ReLU())).to(device)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, target = torch.randn(4, 3, 32, 32, device=device), torch.randn(4, 16, 30, 30, device=device)
+
+    def step():
+        opt.zero_grad(set_to_none=False)
+        ((model(x) - target) ** 2).mean().backward()
+        opt.step()
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            step()
+    torch.cuda.current_stream().wait_stream(stream)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    try:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            step()
+        graph.replay()
+        replayed = {k: v.clone() for k, v in model.state_dict().items()}
+        model.load_state_dict(state)
+        step()
+        diff = max((replayed[k].double() - v.double()).abs().max().item() for k, v in model.state_dict().items())
+        result = f"replay = eager step, max diff {diff:.1e}"
+    except Exception as e:  # noqa: BLE001 - reported in the table
+        result = f"FAILED: {type(e).__name__}: {str(e).splitlines()[0][:60]}"
+    row("CUDA graph", "capture + replay of a step", result)
+
+
+def _two_ranks(rank: int, init: str, device_type: str, out: str) -> None:
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
+    device = torch.device(device_type)
+    torch.manual_seed(0)
+    model = convert_sync_batchnorm(nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU())).to(device)
+    torch.manual_seed(1)
+    x = torch.randn(5, 3, 12, 12)
+    mine = x[:3] if rank == 0 else x[3:]
+    y = model(mine.to(device))
+    y.square().sum().backward()
+    torch.save(dict(y=y.detach().cpu(), grad=model[0].weight.grad.cpu(), mean=model[1].running_mean.cpu()),
+               f"{out}.{rank}")
+    dist.destroy_process_group()
+
+
+def two_processes(device) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        init = f"file://{tmp}/init"
+        mp.spawn(_two_ranks, args=(init, device.type, f"{tmp}/out"), nprocs=2)
+        got = [torch.load(f"{tmp}/out.{r}") for r in range(2)]
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU()).double()
+    torch.manual_seed(1)
+    x = torch.randn(5, 3, 12, 12).double()
+    y = plain(x)
+    y.square().sum().backward()
+    diffs = [(torch.cat([g["y"] for g in got]).double() - y).abs().max(),
+             (sum(g["grad"] for g in got).double() - plain[0].weight.grad).abs().max() / plain[0].weight.grad.abs().max(),
+             max((g["mean"].double() - plain[1].running_mean).abs().max() for g in got)]
+    ok = all(float(d.detach()) < 1e-4 for d in diffs)
+    row("2 processes, 1 device", f"gloo, {device.type} tensors, 3+2 rows",
+        f"{'ok' if ok else 'MISMATCH'}: max diff y {diffs[0]:.1e}, dW {diffs[1]:.1e} rel, mean {diffs[2]:.1e}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dry-run", action="store_true", help="on the CPU, tiny sizes: check the plumbing")
+    parser.add_argument("--iters", type=int, default=20)
+    args = parser.parse_args()
+    if tuple(int(v) for v in torch.__version__.split(".")[:2]) < (2, 4):
+        sys.exit(f"gpu_check: expected torch >= 2.4 (torch.library.custom_op), got {torch.__version__}")
+    cuda = torch.cuda.is_available() and not args.dry_run
+    if not cuda and not args.dry_run:
+        sys.exit("gpu_check: expected a CUDA GPU (torch.cuda.is_available() is False); use --dry-run on the CPU")
+    device = torch.device("cuda" if cuda else "cpu")
+    started = time.time()
+    print(f"gpu_check: torch {torch.__version__}, {torch.cuda.get_device_name() if cuda else 'CPU (dry run)'}")
+    with tempfile.TemporaryDirectory() as tmp:
+        dist.init_process_group("nccl" if cuda else "gloo", init_method=f"file://{tmp}/pg", rank=0, world_size=1)
+        force(TorchDistComm(None))
+        shapes = SHAPES if cuda else [(2, s[1] // 8, 8, 8) for s in SHAPES]
+        per_layer(device, shapes, args.iters if cuda else 2)
+        no_sync(device, 224 if cuda else 32)
+        cuda_graph(device)
+        dist.destroy_process_group()
+    two_processes(device)
+    print(f"\n| check | setting | result |\n|---|---|---|")
+    for r in ROWS:
+        print(f"| {' | '.join(r)} |")
+    print(f"\ngpu_check: {time.time() - started:.0f} s")
+
+
+if __name__ == "__main__":
+    main()
