@@ -348,7 +348,8 @@ def main() -> None:
     if hvd.rank() != 0:
         return
     minutes = (time.perf_counter() - start) / 60
-    header = (f"`{' '.join(['python', *sys.argv])}` on {size} ranks, {os.cpu_count()} CPU cores, at commit "
+    script = os.path.relpath(Path(sys.argv[0]).resolve(), ROOT)
+    header = (f"`{' '.join(['python', script, *sys.argv[1:]])}` on {size} ranks, {os.cpu_count()} CPU cores, at commit "
               f"{commit()}, {started:%Y-%m-%d %H:%M %Z}: {minutes:.1f} min; 1-minute load average during the run "
               f"{np.mean(loads):.1f} (max {max(loads):.1f}). {args.epochs} epochs of {args.train_size} training "
               f"images {args.image_size}x{args.image_size}, Adam lr {args.lr}, U-Net width {args.width}; "
