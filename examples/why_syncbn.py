@@ -341,7 +341,7 @@ def main() -> None:
     if size < 2:
         sys.exit("why_syncbn.py compares local BN and SyncBN across ranks: launch it on 2 or more, e.g. "
                  "launch/mpirun.sh -np 4 --oversubscribe -- python examples/why_syncbn.py")
-    start, started = time.perf_counter(), datetime.datetime.now().astimezone()
+    start, started, code = time.perf_counter(), datetime.datetime.now().astimezone(), commit()  # before the run
     log(f"{size} ranks x {args.batches} images per rank, {args.seeds} seed(s), {args.epochs} epochs; "
         f"{len(bn_buffers(SegNet(args.width))) // 3} BN layers; 1 thread per rank on {os.cpu_count()} cores")
     results, loads = experiment(args)
@@ -350,7 +350,7 @@ def main() -> None:
     minutes = (time.perf_counter() - start) / 60
     script = os.path.relpath(Path(sys.argv[0]).resolve(), ROOT)
     header = (f"`{' '.join(['python', script, *sys.argv[1:]])}` on {size} ranks, {os.cpu_count()} CPU cores, at commit "
-              f"{commit()}, {started:%Y-%m-%d %H:%M %Z}: {minutes:.1f} min; 1-minute load average during the run "
+              f"{code}, {started:%Y-%m-%d %H:%M %Z}: {minutes:.1f} min; 1-minute load average during the run "
               f"{np.mean(loads):.1f} (max {max(loads):.1f}). {args.epochs} epochs of {args.train_size} training "
               f"images {args.image_size}x{args.image_size}, Adam lr {args.lr}, U-Net width {args.width}; "
               f"{args.val_size} validation images; seed 0's training images: "
