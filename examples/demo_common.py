@@ -28,13 +28,8 @@ def arg_parser(description: str, *, threads_help: str, plot: Path) -> argparse.A
     parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--bn", choices=["sync", "local"], default="sync",
                         help="sync: BN statistics over all ranks; local: over this rank's batch")
-    parser.add_argument("--epochs", type=int, default=3)
+    add_training_flags(parser, epochs=3, image_size=64)
     parser.add_argument("--batch-size", type=int, default=2, help="images per rank per step")
-    parser.add_argument("--train-size", type=int, default=320, help="training images, split over ranks")
-    parser.add_argument("--val-size", type=int, default=96)
-    parser.add_argument("--image-size", type=int, default=64)
-    parser.add_argument("--width", type=int, default=16, help="channels of the first conv")
-    parser.add_argument("--lr", type=float, default=2e-3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=1, help=threads_help)
     parser.add_argument("--checkpoint-dir", type=Path, default=Path("checkpoints"))
@@ -43,6 +38,16 @@ def arg_parser(description: str, *, threads_help: str, plot: Path) -> argparse.A
                         help="then train the other --bn from the same initial weights and plot both")
     parser.add_argument("--plot", type=Path, default=plot)
     return parser
+
+
+def add_training_flags(parser: argparse.ArgumentParser, *, epochs: int, image_size: int) -> None:
+    """The data, net and optimizer flags every segmentation script here shares."""
+    parser.add_argument("--epochs", type=int, default=epochs)
+    parser.add_argument("--train-size", type=int, default=320, help="training images, split over ranks")
+    parser.add_argument("--val-size", type=int, default=96)
+    parser.add_argument("--image-size", type=int, default=image_size, help="a multiple of 4 (two 2x poolings)")
+    parser.add_argument("--width", type=int, default=16, help="channels of the first conv")
+    parser.add_argument("--lr", type=float, default=2e-3)
 
 
 def parse_checked(parser: argparse.ArgumentParser) -> argparse.Namespace:
