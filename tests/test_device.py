@@ -131,7 +131,8 @@ def test_deferred_errors_are_raised_by_check_and_on_mode_switch():
         bad[0, 0, 0, 0] = float("nan") if r == 1 else 0.0
         model(bad)
         with pytest.raises(ValueError, match="1: expected finite inputs"):
-            model.eval()  # stops at the first layer with an error ...
+            model.eval()  # stops after the first layer with an error, which has switched ...
+        assert not model[1].training and model[4].training
         with pytest.raises(ValueError, match="4: expected finite inputs"):
             check(model)  # ... the others raise at the next host point
         assert torch.equal(model[1].running_mean, before)

@@ -279,10 +279,11 @@ class SyncBatchNorm(_BatchNorm):
     """What :meth:`_init_sync` sets (and the ``_sync_errors`` buffer); reverting to plain BN drops these."""
 
     def train(self, mode: bool = True) -> "SyncBatchNorm":
-        """As ``nn.Module.train``, after raising the device path's deferred errors
-        (:func:`~hvd_syncbn.torch.check`)."""
+        """As ``nn.Module.train``, then raise the device path's deferred errors of this
+        layer (:func:`~hvd_syncbn.torch.check`)."""
+        super().train(mode)
         device.check(self)
-        return super().train(mode)
+        return self
 
     def _check_input_dim(self, input: Tensor) -> None:
         backend.check_input(
