@@ -252,7 +252,8 @@ def check(module: nn.Module) -> None:
     layers = [m for m in module.modules() if getattr(m, "_sync_errors", None) is not None]
     if not layers:
         return
-    seen = torch.stack([m._sync_errors.cpu() for m in layers]).numpy()
+    first = layers[0]._sync_errors.device
+    seen = torch.stack([m._sync_errors.to(first) for m in layers]).cpu().numpy()  # (layers, 3)
     for m in layers:
         m._sync_errors.zero_()
     problems = []
