@@ -21,4 +21,4 @@ if ! command -v ip >/dev/null; then
   fi
 fi
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
-exec "$ROOT/.venv/bin/python" -m pytest -p no:cacheprovider -ra "$@" tests
+exec "$ROOT/.venv/bin/python" -m pytest -p no:cacheprovider -ra --durations=25 "$@" tests
