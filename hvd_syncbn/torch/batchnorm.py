@@ -45,10 +45,7 @@ def _to(arr: np.ndarray, like: Tensor, dtype: torch.dtype) -> Tensor:
     return torch.from_numpy(np.asarray(arr, dtype=_NUMPY[dtype])).to(like.device)
 
 
-def _call(layer: "SyncBatchNorm", comm: transport.Communicator, direction: str, x: Tensor) -> transport.Call:
-    """This rank's identity of the layer's next collective in ``direction``."""
-    return transport.make_call(comm, layer.layer_name, direction, layer.num_features, x.dim(),
-                               str(x.dtype).replace("torch.", ""))
+_call = device.call
 
 
 def _allreduce_sum(layer: "SyncBatchNorm", comm: transport.Communicator, x: Tensor) -> backend.AllreduceSum:
@@ -68,7 +65,7 @@ def _local_moments(x: Tensor, acc: torch.dtype, shift: Optional[Tensor] = None) 
     - Where the ``acc`` mean is too coarse (:func:`hvd_syncbn.backend.needs_float64`):
       the reference, in float64.
     """
-    dims, channels = _reduced_dims(x), x.shape[1]
+    dims, channels = device.reduced_dims(x), x.shape[1]
     if x.numel() == 0:
         return np.zeros(channels), np.zeros(channels)
     rows = x.numel() // channels
@@ -105,11 +102,6 @@ def _shifted_sums(x: Tensor, shift: Tensor) -> tuple[np.ndarray, np.ndarray]:
         centred, centred, None, None, None, zeros, ones, True, 0.0, [False, True, True]
     )
     return _host(total).astype(np.float64), _host(squares).astype(np.float64)
-
-
-def _reduced_dims(x: Tensor) -> list:
-    """Every dim of ``(N, C, *)`` but the channels."""
-    return [0, *range(2, x.dim())]
 
 
 class _SyncBatchNormFn(torch.autograd.Function):

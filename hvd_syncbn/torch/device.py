@@ -72,12 +72,23 @@ def per_channel(v: Tensor, like: Tensor) -> Tensor:
     return v.view((1, -1) + (1,) * (like.dim() - 2))
 
 
+def reduced_dims(x: Tensor) -> list:
+    """Every dim of ``(N, C, *)`` but the channels."""
+    return [0, *range(2, x.dim())]
+
+
+def call(layer, comm: transport.Communicator, direction: str, x: Tensor) -> transport.Call:
+    """This rank's identity of the layer's next collective in ``direction``."""
+    return transport.make_call(comm, layer.layer_name, direction, layer.num_features, x.dim(),
+                               str(x.dtype).replace("torch.", ""))
+
+
 def moments(x: Tensor, acc: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
     """The contract of :func:`hvd_syncbn.backend.local_moments` for ``(N, C, *)``, on the
     device with no host read: ``var_mean`` in ``acc`` of the data shifted by one of its
     own values per channel (a shift within a few standard deviations of the mean keeps
     the float32 mean's rounding far below the spread), the shift added back in float64."""
-    dims = [0, *range(2, x.dim())]
+    dims = reduced_dims(x)
     count = TORCH_OPS.rows(x, dims)
     if x.numel() == 0:  # zeros that depend on x, so that a compiler keeps the collective in place
         zeros = x.detach().to(torch.float64).sum(dims)
@@ -189,9 +200,8 @@ class _DeviceFn(torch.autograd.Function):
     def backward(ctx, dy, *_):
         x, weight, mean, var, invstd, total = ctx.saved_tensors
         layer = ctx.layer
-        if x.numel() == 0:  # zeros from dy: a constant buffer lets AOTAutograd move the
-            dims = [0, *range(2, x.dim())]  # backward's collective into the forward graph
-            sum_dy_xhat = sum_dy = dy.to(mean.dtype).sum(dims)
+        if x.numel() == 0:  # zeros from dy: with constants AOTAutograd moves the collective forward
+            sum_dy_xhat = sum_dy = dy.to(mean.dtype).sum(reduced_dims(x))
         else:
             _, sum_dy_xhat, sum_dy = torch.ops.aten.native_batch_norm_backward(
                 dy, x, None, None, None, mean, invstd.to(mean.dtype), True, layer.eps, [False, True, True])
@@ -215,8 +225,7 @@ def forward(layer, x: Tensor, comm: transport.Communicator, acc: torch.dtype) ->
         layer._check_input_dim(x)
     except ValueError as e:  # over a transport with a diagnosis, every rank fails together
         if comm.kind != "torch":
-            transport.poison(comm, transport.make_call(comm, layer.layer_name, "fwd", layer.num_features, x.dim(),
-                                                       str(x.dtype).replace("torch.", "")), str(e))
+            transport.poison(comm, call(layer, comm, "fwd", x), str(e))
         raise
     y, total, mean, var, bad = _DeviceFn.apply(x, layer.weight, layer.bias, layer, comm, acc)
     errors = [bad, total[0] == 1]
