@@ -53,15 +53,15 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "${reqs[*]}" ]; then
 fi
 
 # 3. Horovod, built once per (Horovod, torch, TF, Python) and cached as a wheel.
-versions=$("$PY" - <<'PY'
+# (Read from the package metadata: importing TensorFlow would print its start-up lines.)
+versions=$("$PY" - "$TF_PACKAGE" <<'PY'
 import sys, importlib.metadata as m
-import tensorflow as tf
-print(f"torch{m.version('torch')}-tf{tf.__version__}-py{sys.version_info[0]}{sys.version_info[1]}")
+print(f"torch{m.version('torch')}-tf{m.version(sys.argv[1])}-py{sys.version_info[0]}{sys.version_info[1]}")
 PY
 )
 gpu=${HOROVOD_GPU_OPERATIONS:+-gpu$HOROVOD_GPU_OPERATIONS}
 versions="$versions$gpu"
-wheel_dir="$CACHE/horovod-$HOROVOD_VERSION-$versions"
+wheel_dir="$CACHE/horovod-$HOROVOD_VERSION-fixes5-$versions"   # bump fixesN when the fixes below change
 if ! ls "$wheel_dir"/horovod-*.whl >/dev/null 2>&1; then
   log "building Horovod $HOROVOD_VERSION ($versions); this takes about 10 minutes once"
   build=$(mktemp -d)
@@ -69,12 +69,17 @@ if ! ls "$wheel_dir"/horovod-*.whl >/dev/null 2>&1; then
   "$PY" -m pip download -q --no-deps --no-binary :all: -d "$build" "horovod==$HOROVOD_VERSION"
   tar -xzf "$build"/horovod-"$HOROVOD_VERSION".tar.gz -C "$build"
   src="$build/horovod-$HOROVOD_VERSION"
-  # The four fixes Horovod 0.28.1 needs against torch 2.13 / TF 2.21 / cmake 4.
+  # The four fixes Horovod 0.28.1 needs against torch 2.13 / TF 2.21 / cmake 4, and a
+  # fifth: horovodrun's extension check mutes its child's sys.stdout/stderr, but
+  # TensorFlow's C++ start-up lines go to the file descriptors and reached the console.
   sed -i 's/set(CMAKE_CXX_STANDARD 14)/set(CMAKE_CXX_STANDARD 17)/' \
     "$src/CMakeLists.txt" "$src/horovod/torch/CMakeLists.txt"
   sed -i '/xla_mpi_ops\.cc/d' "$src/horovod/tensorflow/CMakeLists.txt"
   grep -q 'CMAKE_CXX_STANDARD 17' "$src/horovod/torch/CMakeLists.txt" || die "C++17 patch did not apply"
   ! grep -q 'xla_mpi_ops' "$src/horovod/tensorflow/CMakeLists.txt" || die "XLA patch did not apply"
+  sed -i "s/^\( *\)sys.stderr = open(os.devnull, 'w')$/&\n\1os.dup2(sys.stdout.fileno(), 1); os.dup2(sys.stderr.fileno(), 2)/" \
+    "$src/horovod/common/util.py"
+  grep -q 'os.dup2(sys.stdout.fileno(), 1)' "$src/horovod/common/util.py" || die "extension-check patch did not apply"
   tf_inc=$("$PY" -c 'import tensorflow as tf; print(tf.sysconfig.get_include())' 2>/dev/null)
   export CPLUS_INCLUDE_PATH="$tf_inc/external/highwayhash${CPLUS_INCLUDE_PATH:+:$CPLUS_INCLUDE_PATH}"
   export CMAKE_POLICY_VERSION_MINIMUM=3.5
@@ -87,9 +92,12 @@ if ! ls "$wheel_dir"/horovod-*.whl >/dev/null 2>&1; then
   mkdir -p "$wheel_dir"
   cp "$build"/dist/horovod-*.whl "$wheel_dir/"
 fi
-if ! "$PY" -c 'import horovod' 2>/dev/null; then
+# Installed unless this very wheel is (a new set of fixes replaces an older build).
+hvd_stamp="$VENV/.hvd_syncbn-horovod"
+if [ "$(cat "$hvd_stamp" 2>/dev/null)" != "$wheel_dir" ] || ! "$PY" -c 'import horovod' 2>/dev/null; then
   log "pip install $(basename "$wheel_dir"/horovod-*.whl)"
   "$PY" -m pip install -q --no-deps --force-reinstall "$wheel_dir"/horovod-*.whl
+  echo "$wheel_dir" > "$hvd_stamp"
 fi
 
 # 4. The project itself, editable.
