@@ -8,11 +8,14 @@ their backend.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import logging
 import os
+import re
 import sys
 import tempfile
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import numpy as np
 
@@ -37,6 +40,10 @@ def arg_parser(description: str, *, threads_help: str, plot: Path) -> argparse.A
     parser.add_argument("--compare", action="store_true",
                         help="then train the other --bn from the same initial weights and plot both")
     parser.add_argument("--plot", type=Path, default=plot)
+    parser.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
+                        help="a progress bar on rank 0 that redraws in place (default: on when run "
+                             "alone in a terminal; launch/demo.sh turns it on when its output is one); "
+                             "without it the line per epoch is the progress")
     return parser
 
 
@@ -57,6 +64,8 @@ def parse_checked(parser: argparse.ArgumentParser) -> argparse.Namespace:
         parser.error("--compare trains both runs from the same initial weights; drop --resume")
     if args.image_size % 4:
         parser.error(f"--image-size must be a multiple of 4 (two 2x poolings), got {args.image_size}")
+    if args.progress is None:  # under mpirun stdout is a pty even into a file, stderr a pipe
+        args.progress = sys.stdout.isatty() and sys.stderr.isatty()
     return args
 
 
@@ -108,6 +117,49 @@ def atomic_write(path: Path, write: Callable[[str], object]) -> None:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
+
+
+# The INFO lines of TensorFlow's C++ start-up (absl-formatted), their continuation, and
+# absl's notice that it logs them all: TF 2.21 writes them before it reads TF_CPP_MIN_LOG_LEVEL.
+STARTUP_NOISE = re.compile(r"(I\d{4} [\d:. ]+\S+\.cc:\d+\] |To enable the following "
+                           r"instructions: |WARNING: All log messages before absl::InitializeLog\(\) is called)")
+
+
+@contextlib.contextmanager
+def quiet_startup() -> Iterator[None]:
+    """Import the frameworks inside this: it drops their C++ start-up INFO lines
+    (:data:`STARTUP_NOISE`) from stderr and writes every other line back at the end."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as captured:
+        os.dup2(captured.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            captured.seek(0)
+            lines = captured.read().decode(errors="replace").splitlines(keepends=True)
+            sys.stderr.write("".join(line for line in lines if not STARTUP_NOISE.match(line)))
+            sys.stderr.flush()
+
+
+def console_logging() -> None:
+    """The ``hvd_syncbn`` log (its one line says, on rank 0, which transport carries the
+    statistics) on stdout, in order with the demo's lines, above a progress bar."""
+
+    class Console(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            from tqdm import tqdm
+
+            with tqdm.external_write_mode(file=sys.stdout):  # clears a bar, then redraws it
+                sys.stdout.write(self.format(record) + "\n")  # one write: one mpirun tag
+                sys.stdout.flush()
+
+    logger = logging.getLogger("hvd_syncbn")
+    logger.addHandler(Console())
+    logger.propagate = False
 
 
 def rank0_log(rank: Callable[[], int]) -> Callable[[str], None]:

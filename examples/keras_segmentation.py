@@ -28,19 +28,21 @@ import os
 import sys
 from pathlib import Path
 
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # before TensorFlow is imported
-
-import numpy as np  # noqa: E402
-import keras  # noqa: E402
-import tensorflow as tf  # noqa: E402
-
-import horovod.tensorflow as hvd  # noqa: E402
-from hvd_syncbn.tensorflow import (BroadcastGlobalVariablesCallback, DistributedOptimizer,  # noqa: E402
-                                   MetricAverageCallback, convert_sync_batchnorm)
+import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # also when loaded by path
 from demo_common import (CLASSES, EVAL_BATCH, arg_parser, atomic_write, check_global_batch,  # noqa: E402
-                         iou_from_confusion, parse_checked, rank0_log, shape_mask, train_and_compare)
+                         console_logging, iou_from_confusion, parse_checked, quiet_startup, rank0_log,
+                         shape_mask, train_and_compare)
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # before TensorFlow is imported
+with quiet_startup():
+    import keras
+    import tensorflow as tf
+
+    import horovod.tensorflow as hvd
+    from hvd_syncbn.tensorflow import (BroadcastGlobalVariablesCallback, DistributedOptimizer,
+                                       MetricAverageCallback, convert_sync_batchnorm)
 
 log = rank0_log(hvd.rank)
 
@@ -270,9 +272,9 @@ def train(model: keras.Model, bn: str, args: argparse.Namespace, train_set: tupl
 
     steps = len(train_set[0]) // hvd.size() // args.batch_size
     callbacks = [BroadcastGlobalVariablesCallback(0), MetricAverageCallback()]
-    # One progress bar, on rank 0, where it can redraw in place; elsewhere (horovodrun
-    # pipes the output and tags every redraw) EpochEnd's line per epoch is the progress.
-    bar = hvd.rank() == 0 and sys.stdout.isatty()
+    # One progress bar, on rank 0, where it can redraw in place (--progress); elsewhere
+    # EpochEnd's line per epoch is the progress.
+    bar = hvd.rank() == 0 and args.progress
     if bar:  # before EpochEnd, so the bar ends before our lines
         callbacks.append(keras.callbacks.ProgbarLogger())
     callbacks.append(EpochEnd(bn, args, val_set, meta_path, history))
@@ -284,6 +286,7 @@ def train(model: keras.Model, bn: str, args: argparse.Namespace, train_set: tupl
 
 def main() -> None:
     args = parse_args()
+    console_logging()
     tf.config.threading.set_intra_op_parallelism_threads(args.threads)  # before any TF op
     tf.config.threading.set_inter_op_parallelism_threads(args.threads)
     hvd.init()

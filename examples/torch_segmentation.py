@@ -34,7 +34,8 @@ from hvd_syncbn.torch import convert_sync_batchnorm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # also when loaded by path (the tests do)
 from demo_common import (CLASSES, EVAL_BATCH, arg_parser, atomic_write, check_global_batch,  # noqa: E402
-                         iou_from_confusion, parse_checked, rank0_log, shape_mask, train_and_compare)
+                         console_logging, iou_from_confusion, parse_checked, rank0_log, shape_mask,
+                         train_and_compare)
 
 log = rank0_log(hvd.rank)
 
@@ -103,10 +104,15 @@ def build_model(width: int, bn: str) -> nn.Module:
     return convert_sync_batchnorm(model) if bn == "sync" else model
 
 
+def bn_layers(model: nn.Module) -> dict:
+    """Every BN layer (plain or synchronized), by name."""
+    return {name: m for name, m in model.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)}
+
+
 def bn_buffers(model: nn.Module) -> dict:
     """Every BN layer's running_mean, running_var and num_batches_tracked, by name."""
-    return {f"{name}.{b}": buf for name, m in model.named_modules()
-            if isinstance(m, nn.modules.batchnorm._BatchNorm) for b, buf in m.named_buffers(recurse=False)}
+    return {f"{name}.{b}": getattr(m, b) for name, m in bn_layers(model).items()
+            for b in ("running_mean", "running_var", "num_batches_tracked")}
 
 
 # ---------------------------------------------------------------------- checks, IO
@@ -188,8 +194,9 @@ def train(model: nn.Module, bn: str, args: argparse.Namespace, train_set: Tensor
     for epoch in range(start + 1, args.epochs + 1):
         sampler.set_epoch(epoch)
         sums = torch.zeros(2, dtype=torch.float64)  # (loss x images, images) on this rank
-        for x, y in tqdm(loader, desc=f"{bn} BN epoch {epoch}/{args.epochs}", disable=hvd.rank() != 0,
-                         ncols=80, mininterval=1.0):
+        # On stdout, in order with the lines; nrows: mpirun's pty says it has 0 rows, which hides a bar.
+        for x, y in tqdm(loader, desc=f"{bn} BN epoch {epoch}/{args.epochs}", file=sys.stdout, nrows=20,
+                         disable=not (args.progress and hvd.rank() == 0), ncols=80, mininterval=1.0):
             opt.zero_grad()
             loss = F.cross_entropy(model(x), y)  # (N, classes, H, W) against (N, H, W)
             loss.backward()
@@ -223,6 +230,7 @@ def train(model: nn.Module, bn: str, args: argparse.Namespace, train_set: Tensor
 
 def main() -> None:
     args = parse_args()
+    console_logging()
     hvd.init()
     torch.set_num_threads(args.threads)
     check_global_batch(args, hvd.size(), log)
@@ -234,7 +242,7 @@ def main() -> None:
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     init = copy.deepcopy(model.state_dict())  # for --compare: both runs start from these weights
     log(f"data: {args.train_size} train / {args.val_size} val images 3x{args.image_size}x{args.image_size}, "
-        f"{len(CLASSES)} classes; {len(bn_buffers(model)) // 3} BN layers, --bn {args.bn}; "
+        f"{len(CLASSES)} classes; {len(bn_layers(model))} BN layers, --bn {args.bn}; "
         f"{sum(p.numel() for p in model.parameters())} parameters; {args.threads} thread(s)/rank")
 
     def train_bn(bn: str, resume: bool) -> dict:

@@ -5,6 +5,7 @@
 # `keras` (examples/keras_segmentation.py). The other arguments go to the script, e.g.
 # `bash launch/demo.sh --compare`, `bash launch/demo.sh keras --bn local`.
 # Runs in the checkout, so checkpoints/ and results/ land there (both git-ignored).
+# --no-progress (or --progress) overrides the choice below.
 set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 script=torch_segmentation.py
@@ -13,6 +14,9 @@ case "${1:-}" in
   keras) script=keras_segmentation.py; shift ;;
 esac
 bash "$ROOT/launch/install.sh"
+# The ranks cannot tell whether this reaches a terminal (mpirun gives them a pty either
+# way): a progress bar that redraws in place if it does, a line per epoch if not.
+[ -t 1 ] && set -- --progress "$@"
 cd "$ROOT"
 export PATH="$ROOT/.venv/bin:$PATH"
 export OMP_NUM_THREADS=1
