@@ -86,6 +86,31 @@ def test_train_then_resume_matches_uninterrupted(tmp_path, compared):
     demo.SegNet(4).load_state_dict(state["model"])  # the plain nn.BatchNorm2d model loads it
 
 
+def readme_demo_output() -> list:
+    """The lines of the README's demo output: the first code block after "### The demo"
+    that is not a command."""
+    text = (ROOT / "README.md").read_text()
+    blocks = re.findall(r"^```\n(.*?)^```$", text[text.index("### The demo"):], re.S | re.M)
+    return blocks[0].splitlines()
+
+
+def test_readme_demo_output_is_what_the_command_prints(tmp_path):
+    """README command 1, into a file as CI runs it, prints after the set-up's
+    ``[install]`` lines exactly the README's demo output, numbers aside (this run is tiny):
+    rank 0's tagged lines, the transport line in its place, no framework start-up lines,
+    no progress bar."""
+    cmd = ["bash", str(ROOT / "launch" / "demo.sh"), *TINY, "--checkpoint-dir", str(tmp_path)]
+    out = subprocess.run(cmd, cwd=ROOT, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                         text=True, timeout=TIMEOUT_S)
+    assert out.returncode == 0, out.stdout[-6000:]
+    printed = [line for line in out.stdout.splitlines() if not line.startswith("[install] ")]
+
+    def shape(lines: list) -> list:
+        return [re.sub(r"\d+(\.\d+)?", "#", line) for line in lines]
+
+    assert shape(printed) == shape(readme_demo_output()), "\n".join(printed)
+
+
 def test_resume_without_checkpoint_fails(tmp_path):
     log = run_demo("--resume", "--checkpoint-dir", tmp_path / "empty", ok=False)
     assert "--resume: no checkpoint at" in log, log[-3000:]
