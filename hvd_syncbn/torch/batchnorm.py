@@ -210,8 +210,9 @@ class SyncBatchNorm(_BatchNorm):
             ``SyncBatchNorm_<k>`` in construction order.
         comm: how statistics travel: ``"horovod"``, ``"mpi"`` (mpi4py, under mpirun),
             ``"torch"`` (the default ``torch.distributed`` group, or ``process_set`` as a
-            group; with no process group, a private one built over MPI or Horovod) or ``"auto"``: torch if a process group exists, else MPI under mpirun
-            with mpi4py, else Horovod. Default: ``$HVD_SYNCBN_COMM``, else ``"auto"``.
+            group; with no process group, a private one built over MPI or Horovod) or
+            ``"auto"``: torch if a process group exists, else MPI under mpirun with
+            mpi4py, else Horovod. Default: ``$HVD_SYNCBN_COMM``, else ``"auto"``.
         check_finite: raise ``ValueError`` on every rank, before any update, when the
             global statistics are not finite (NaN/Inf in some rank's input). Default: ``False``.
         stats: where the per-channel statistics are computed between the passes over the
