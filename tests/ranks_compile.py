@@ -24,7 +24,6 @@ from mpi4py import MPI
 from torch import nn
 
 import torch.distributed as dist
-import torch.distributed._functional_collectives as funcol
 from hvd_syncbn import comm as transport
 from hvd_syncbn.torch import SyncBatchNorm, comm as torch_comm, convert_sync_batchnorm
 from oracle import EMPTY, UNEQUAL, assert_close, global_batch, shard_sizes, shard_slice
@@ -138,22 +137,6 @@ def forward_has_no_graph_break():
     assert explained.graph_break_count == 0, [str(r.reason)[:300] for r in explained.break_reasons]
     assert explained.graph_count == 1, explained.graph_count
     assert transport_of(model) == EXPECTED
-
-
-if COMM != "torch":
-    def test_cuda_statistics_take_a_private_group_over_the_transport(monkeypatch):
-        """The device path's CUDA statistics (no GPU here: as the layer asks) sum over a
-        private group (its NCCL) bootstrapped over the transport; HVD_SYNCBN_PRIVATE_GROUP=0
-        keeps the transport."""
-        monkeypatch.setattr(dist, "is_nccl_available", lambda: True)  # as in a CUDA build of torch
-        comm = torch_comm.resolve(None, None, "probe", nccl=True)
-        assert isinstance(comm, torch_comm.PrivateGroupComm) and comm.over.kind == COMM, comm
-        assert torch_comm.resolve(None, None, "probe", nccl=True) is comm  # built once
-        ones = torch.full((2,), RANK + 1.0, dtype=torch.float64)
-        assert funcol.wait_tensor(funcol.all_reduce(ones, "sum", comm.group)).tolist() == [WORLD * (WORLD + 1) / 2] * 2
-        monkeypatch.setenv("HVD_SYNCBN_PRIVATE_GROUP", "0")
-        assert torch_comm.resolve(None, None, "probe", nccl=True).kind == COMM
-        assert not dist.is_initialized()
 
 
 if COMM == "torch":

@@ -94,13 +94,19 @@ def store_address(raw: Any) -> str:
 
 def own_address() -> str:
     """Rank 0's address for ranks on other hosts: the first non-loopback IPv4 address its
-    host name resolves to, else the host name (for the other ranks to resolve)."""
+    host name resolves to, else the first of its interfaces' (in the kernel's order),
+    else the host name (for the other ranks to resolve)."""
     name = socket.gethostname()
     try:
-        infos = socket.getaddrinfo(name, None, socket.AF_INET, socket.SOCK_STREAM)
+        found = [info[4][0] for info in socket.getaddrinfo(name, None, socket.AF_INET, socket.SOCK_STREAM)]
     except OSError:
-        infos = []
-    return next((info[4][0] for info in infos if not info[4][0].startswith("127.")), name)
+        found = []
+    for _, iface in socket.if_nameindex():
+        try:
+            found.append(interface_address(iface))
+        except ValueError:  # no IPv4 address
+            pass
+    return next((a for a in found if not a.startswith("127.")), name)
 
 
 def connect_to(offer: dict) -> str:
