@@ -86,3 +86,18 @@ def test_comm_torch_with_no_group_and_nothing_to_build_one_over_says_so(private,
     with pytest.raises(RuntimeError, match=rf"comm='torch' needs torch.distributed.init_process_group\(\) first, "
                                            rf"or a job started by mpirun .* \({why}\)"):
         SyncBatchNorm(4, comm="torch")(torch.randn(3, 4))
+
+
+def test_ranks_in_different_layers_get_one_diagnosis_on_every_rank():
+    """A header mismatch on the private group's host path: every rank raises, naming both
+    layers (the diagnosis travels over the communicator the group was built over)."""
+    def different_layers(rank, over):
+        call = transport.Call("a" if rank == 0 else "b", "fwd", 0, 3, 4, "float32", rank)
+        transport.allreduce(PrivateGroupComm(over), np.zeros(3), call)
+
+    with collective_timeout(10):
+        out = run(2, different_layers, timeout=60)
+    for e in out:
+        assert isinstance(e, transport.SyncBatchNormError), e
+        assert "ranks [0] are waiting in layer 'a' forward" in str(e), e
+        assert "ranks [1] are waiting in layer 'b' forward" in str(e), e
