@@ -4,6 +4,12 @@ Rank 0 opens a ``TCPStore`` on a port the OS picks; its address crosses once ove
 communicator (a summing allreduce, with the identity header and the deadline); the
 ranks then build a ``ProcessGroup`` with Gloo for CPU tensors and NCCL for CUDA tensors.
 The group is nobody's default: ``torch.distributed.is_initialized()`` stays ``False``.
+
+It stays out of torch's ``_world`` tables (``_new_process_group_helper`` would put it
+there, and wants a default group for a group of some ranks), so three private torch
+APIs build it, as that helper does: ``ProcessGroup._register_backend`` (a backend per
+device type), ``ProcessGroup._set_group_name`` and ``_register_process_group`` (the name
+and the C++ registry by which functional collectives find the group).
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ import logging
 import os
 import socket
 import struct
+from pathlib import Path
 from typing import Any, Tuple
 
 import numpy as np
@@ -46,7 +53,7 @@ def host_id() -> str:
     """This host and network namespace (where ``127.0.0.1`` leads): host name, boot id
     and network namespace, the last two where Linux has them."""
     parts = [socket.gethostname()]
-    for read in (lambda: open("/proc/sys/kernel/random/boot_id").read().strip(),
+    for read in (lambda: Path("/proc/sys/kernel/random/boot_id").read_text().strip(),
                  lambda: os.readlink("/proc/self/ns/net")):
         try:
             parts.append(read())
