@@ -2,10 +2,12 @@
 against one process running plain BN on the concatenated batch.
 
 Launched by ``test_launch.py`` under mpirun at 2 and 3 ranks, once per transport
-(``$HVD_SYNCBN_COMM``): ``torch`` (a Gloo group: functional collectives), ``mpi`` and
-``horovod`` (the custom op). A converted small CNN trains 3 SGD steps on unequal shards
-(one rank empty at 3 ranks); outputs, parameters after every step (so every gradient),
-running statistics and ``num_batches_tracked`` must match float64 plain BN.
+(``$HVD_SYNCBN_COMM``): ``torch`` (functional collectives: first on the private group
+bootstrapped over MPI, with no ``init_process_group``; then on the user's Gloo group),
+``mpi`` and ``horovod`` (the custom op). A converted small CNN trains 3 SGD steps on
+unequal shards (one rank empty at 3 ranks); outputs, parameters after every step (so
+every gradient), running statistics and ``num_batches_tracked`` must match float64
+plain BN.
 """
 
 from __future__ import annotations
@@ -21,18 +23,14 @@ import torch
 from mpi4py import MPI
 from torch import nn
 
+import torch.distributed as dist
 from hvd_syncbn import comm as transport
-from hvd_syncbn.torch import SyncBatchNorm, convert_sync_batchnorm
+from hvd_syncbn.torch import SyncBatchNorm, comm as torch_comm, convert_sync_batchnorm
 from oracle import EMPTY, UNEQUAL, assert_close, global_batch, shard_sizes, shard_slice
 
 RANK, WORLD = MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
 COMM = os.environ["HVD_SYNCBN_COMM"]
-if COMM == "torch":
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", init_method=os.environ["HVD_SYNCBN_TEST_INIT"], rank=RANK, world_size=WORLD,
-                            timeout=datetime.timedelta(seconds=300))  # a mismatch fails rather than hangs
-elif COMM == "horovod":
+if COMM == "horovod":
     import horovod.torch as hvd
 
     hvd.init()
@@ -94,8 +92,23 @@ def expected(sizes):
 MODES = ["eager-host", "eager-device", "aot_eager"] + (["inductor"] if COMM != "horovod" else [])
 
 
+def transport_of(model) -> str:
+    """What carries the model's statistics: ``private`` (a private group), ``torch``
+    (the user's group), ``mpi`` or ``horovod``."""
+    comm = model[1]._resolve_comm()
+    return "private" if isinstance(comm, torch_comm.PrivateGroupComm) else comm.kind
+
+
+# Over torch, the private group first: init_process_group runs after its tests.
+EXPECTED = "private" if COMM == "torch" else COMM
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_converted_cnn_matches_plain_bn_on_the_whole_batch(mode):
+    trains_as_plain_bn_on_the_whole_batch(mode)
+
+
+def trains_as_plain_bn_on_the_whole_batch(mode):
     sizes = shard_sizes(UNEQUAL if mode == "inductor" else PATTERN, WORLD)
     mine = shard_slice(sizes, RANK)
     model = convert_sync_batchnorm(net())
@@ -111,13 +124,39 @@ def test_converted_cnn_matches_plain_bn_on_the_whole_batch(mode):
             assert_close(value, want[name], f"{mode} {name} after step {s}", rtol=1e-4, atol=1e-5)
     assert model[4].num_batches_tracked.item() == STEPS
     assert model[1].layer_name == "1" and model[1].comm is None
+    assert transport_of(model) == EXPECTED
 
 
 def test_converted_cnn_forward_has_no_graph_break():
+    forward_has_no_graph_break()
+
+
+def forward_has_no_graph_break():
     model = convert_sync_batchnorm(net())
     explained = torch._dynamo.explain(model)(torch.randn(shard_sizes(PATTERN, WORLD)[RANK], 3, 6, 6))
     assert explained.graph_break_count == 0, [str(r.reason)[:300] for r in explained.break_reasons]
     assert explained.graph_count == 1, explained.graph_count
+    assert transport_of(model) == EXPECTED
+
+
+if COMM == "torch":
+    def test_the_private_group_leaves_torch_distributed_to_the_user():
+        """After the tests above: no default group, ``auto`` still picks MPI. Then the
+        user's own Gloo group, for the tests below."""
+        global EXPECTED
+        assert not dist.is_initialized()
+        assert torch_comm.resolve("auto", None, "probe").kind == "mpi"
+        dist.init_process_group("gloo", init_method=os.environ["HVD_SYNCBN_TEST_INIT"], rank=RANK,
+                                world_size=WORLD, timeout=datetime.timedelta(seconds=300))  # fails, not hangs
+        EXPECTED = "torch"
+        assert torch_comm.resolve("auto", None, "probe").kind == "torch"
+
+    @pytest.mark.parametrize("mode", MODES)
+    def test_on_the_users_group_converted_cnn_matches_plain_bn_on_the_whole_batch(mode):
+        trains_as_plain_bn_on_the_whole_batch(mode)
+
+    def test_on_the_users_group_converted_cnn_forward_has_no_graph_break():
+        forward_has_no_graph_break()
 
 
 def a_peer_still_compiling_does_not_trip_the_timeout():

@@ -412,6 +412,31 @@ def test_transport_follows_the_documented_rule():
     assert (chosen is None) == (WORLD == 1) and (chosen is None or chosen.kind == want), (chosen, want)
 
 
+def test_cuda_statistics_take_a_private_group_over_the_transport(monkeypatch):
+    """The device path's CUDA statistics (asked for as the layer does; no GPU here) over
+    MPI or Horovod sum over a private group bootstrapped over that transport (across
+    hosts too, under test_multihost.py); HVD_SYNCBN_PRIVATE_GROUP=0 keeps the transport.
+    Alone, or on the user's torch.distributed group, nothing is built."""
+    import torch.distributed as dist
+    import torch.distributed._functional_collectives as funcol
+    from hvd_syncbn.torch import comm as torch_comm
+
+    monkeypatch.setattr(dist, "is_nccl_available", lambda: True)  # as in a CUDA build of torch
+    over, comm = SyncBatchNorm(4, name="nccl.bn")._comm(), SyncBatchNorm(4, name="nccl.bn")._comm(nccl=True)
+    if over is None or over.kind == "torch":
+        assert comm is over, (comm, over)
+        return
+    assert isinstance(comm, torch_comm.PrivateGroupComm) and comm.over is over, (comm, over)
+    total = [WORLD * (WORLD + 1) / 2] * 3
+    ones = torch.full((3,), RANK + 1.0, dtype=torch.float64)
+    assert funcol.wait_tensor(funcol.all_reduce(ones, "sum", comm.group)).tolist() == total
+    call = transport.Call("nccl.bn", "fwd", 0, 3, 4, "float32", RANK)
+    assert transport.allreduce(comm, ones.numpy(), call).tolist() == total  # the host path: Gloo
+    monkeypatch.setenv("HVD_SYNCBN_PRIVATE_GROUP", "0")
+    assert SyncBatchNorm(4, name="nccl.bn")._comm(nccl=True) is over
+    assert not dist.is_initialized()
+
+
 def test_a_failure_that_is_not_bad_input_is_raised_from_the_real_error(monkeypatch):
     """Out of memory (say) while rank 0 takes its local moments: every rank raises
     SyncBatchNormError naming rank 0 and the error, none calls it bad input, and rank 0's

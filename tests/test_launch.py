@@ -91,7 +91,9 @@ OTHER_PATHS = [("tests/ranks_torch.py", "mpirun", 2, "horovod"), ("tests/ranks_t
                ("tests/ranks_props.py", "mpirun", 2, "horovod"),
                # Keras's own BN tests with our layer swapped in, at 2 ranks on both default transports.
                ("tests/ranks_keras_bn.py", "mpirun", 2, ""), ("tests/ranks_keras_bn.py", "horovodrun-gloo", 2, ""),
-               # The device path, eager and compiled: functional collectives on Gloo, the custom op over MPI/Horovod.
+               # The device path, eager and compiled: functional collectives on a private group bootstrapped
+               # over MPI, then on the user's Gloo group (one launch each at 2 and 3 ranks); the custom op
+               # over MPI/Horovod (and a private group over each, as CUDA statistics would take).
                ("tests/ranks_compile.py", "mpirun", 2, "torch"), ("tests/ranks_compile.py", "mpirun", 3, "torch"),
                ("tests/ranks_compile.py", "mpirun", 2, "mpi"), ("tests/ranks_compile.py", "mpirun", 3, "horovod")]
 

@@ -60,7 +60,8 @@ def namespaces_allowed():
 
 def hosts_command(*cmd, mpirun_opts=()) -> list:
     return ["bash", str(NETNS), "--hosts", str(HOSTS), "--slots", str(SLOTS), "--prefix", PREFIX,
-            "--subnet", SUBNET, "-x", "OMP_NUM_THREADS", "-x", "PYTHONUNBUFFERED", *map(str, mpirun_opts),
+            "--subnet", SUBNET, "-x", "OMP_NUM_THREADS", "-x", "PYTHONUNBUFFERED", "-x", "GLOO_SOCKET_IFNAME",
+            *map(str, mpirun_opts),
             "--", sys.executable, *cmd]
 
 
@@ -69,7 +70,10 @@ def run_hosts(*cmd, ok: bool = True, out_dir: Path | None = None) -> str:
     the script removed all it made. With ``out_dir``, each rank's output also goes to a
     file of its own (read with ``rank_outputs``): the ranks' lines interleave in the log."""
     full = hosts_command(*cmd, mpirun_opts=("--output-filename", out_dir) if out_dir else ())
-    proc = subprocess.Popen(full, cwd=ROOT, env={**clean_env(), "HOROVOD_CYCLE_TIME": "0.5"},
+    # GLOO_SOCKET_IFNAME: the hosts' names resolve nowhere, so torch's Gloo (a private group's)
+    # would fall back to loopback; each namespace's link to the others is its eth0.
+    env = {**clean_env(), "HOROVOD_CYCLE_TIME": "0.5", "GLOO_SOCKET_IFNAME": "eth0"}
+    proc = subprocess.Popen(full, cwd=ROOT, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         log, _ = proc.communicate(timeout=TIMEOUT_S)

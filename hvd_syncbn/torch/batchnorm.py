@@ -210,8 +210,9 @@ class SyncBatchNorm(_BatchNorm):
             ``SyncBatchNorm_<k>`` in construction order.
         comm: how statistics travel: ``"horovod"``, ``"mpi"`` (mpi4py, under mpirun),
             ``"torch"`` (the default ``torch.distributed`` group, or ``process_set`` as a
-            group) or ``"auto"``: torch if a process group exists, else MPI under mpirun
-            with mpi4py, else Horovod. Default: ``$HVD_SYNCBN_COMM``, else ``"auto"``.
+            group; with no process group, a private one built over MPI or Horovod) or
+            ``"auto"``: torch if a process group exists, else MPI under mpirun with
+            mpi4py, else Horovod. Default: ``$HVD_SYNCBN_COMM``, else ``"auto"``.
         check_finite: raise ``ValueError`` on every rank, before any update, when the
             global statistics are not finite (NaN/Inf in some rank's input). Default: ``False``.
         stats: where the per-channel statistics are computed between the passes over the
@@ -289,12 +290,13 @@ class SyncBatchNorm(_BatchNorm):
             return params.dtype
         return torch.float64 if x.dtype == torch.float64 else torch.float32
 
-    def _resolve_comm(self) -> Optional[transport.Communicator]:
-        return torch_comm.resolve(self.comm, self.process_set, self.layer_name)
+    def _resolve_comm(self, nccl: bool = False) -> Optional[transport.Communicator]:
+        return torch_comm.resolve(self.comm, self.process_set, self.layer_name, nccl)
 
-    def _comm(self) -> Optional[transport.Communicator]:
-        """The communicator of this call, or ``None`` when this process is alone."""
-        comm = device.traced_comm(self) if torch.compiler.is_compiling() else self._resolve_comm()
+    def _comm(self, nccl: bool = False) -> Optional[transport.Communicator]:
+        """The communicator of this call, or ``None`` when this process is alone; ``nccl``:
+        CUDA tensors on the device path (see :func:`hvd_syncbn.torch.comm.resolve`)."""
+        comm = device.traced_comm(self, nccl) if torch.compiler.is_compiling() else self._resolve_comm(nccl)
         return comm if comm is not None and comm.size > 1 else None
 
     def _momentum_now(self, count: float) -> Optional[float]:
@@ -306,10 +308,12 @@ class SyncBatchNorm(_BatchNorm):
         return self.momentum if self.momentum is not None else 1.0 / float(self.num_batches_tracked)
 
     def forward(self, input: Tensor) -> Tensor:
-        comm = self._comm() if self.training or not self.track_running_stats else None
+        on_device = self.stats == "device" or self.stats == "auto" and (
+            input.device.type != "cpu" or torch.compiler.is_compiling())
+        synced = self.training or not self.track_running_stats
+        comm = self._comm(on_device and input.device.type == "cuda") if synced else None
         if comm is not None:
-            if self.stats == "device" or self.stats == "auto" and (
-                    input.device.type != "cpu" or torch.compiler.is_compiling()):
+            if on_device:
                 return device.forward(self, input, comm, self._acc_dtype(input))
             return _SyncBatchNormFn.apply(input, self.weight, self.bias, self, comm)
         rows = _rows(input) if self.training else None

@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 from hvd_syncbn import comm as base
 from hvd_syncbn import transports
+from hvd_syncbn.torch import private_group
 
 try:
     import horovod.torch as hvd
@@ -50,18 +51,19 @@ class TorchDistComm(base.Communicator):
     kind = "torch"
 
     def __init__(self, group: Any, diagnostics: bool = False) -> None:
-        self.group = group
-        self.rank, self.size = dist.get_rank(group), dist.get_world_size(group)
+        self.group = group if group is not None else dist.group.WORLD
+        self.rank, self.size = self.group.rank(), self.group.size()
         nccl = "nccl" in str(dist.get_backend(group)).lower()
         self.device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
         self._side: base.Communicator = self
         if not diagnostics:
-            ranks = dist.get_process_group_ranks(group or dist.group.WORLD)
+            ranks = dist.get_process_group_ranks(self.group)
             self._side = TorchDistComm(dist.new_group(ranks, use_local_synchronization=True), diagnostics=True)
 
     def start(self, buf, name):
         tensor = torch.from_numpy(buf).to(self.device)
-        return tensor, dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+        # The group's own method: a private group is not in torch.distributed's tables.
+        return tensor, self.group.allreduce([tensor], op=dist.ReduceOp.SUM)
 
     def done(self, handle):
         return handle[1].is_completed()
@@ -72,6 +74,34 @@ class TorchDistComm(base.Communicator):
 
     def side(self):
         return self._side
+
+
+class PrivateGroupComm(TorchDistComm):
+    """``torch.distributed`` on a private group of ``over``'s ranks
+    (:mod:`hvd_syncbn.torch.private_group`), built over ``over`` (MPI or Horovod), which
+    also carries the diagnosis and stops the job after a stuck collective. Host buffers
+    cross over Gloo; the device path's CUDA tensors over NCCL."""
+
+    def __init__(self, over: base.Communicator) -> None:  # not TorchDistComm's: it asks torch's tables
+        self.group, self._store = private_group.build(over)
+        self.rank, self.size, self.over = over.rank, over.size, over
+        self.device = torch.device("cpu")
+
+    def side(self):
+        return self.over.side()
+
+    def abort(self):
+        self.over.abort()
+
+
+_private: dict = {}
+
+
+def private_comm(over: base.Communicator) -> PrivateGroupComm:
+    """The private group over ``over``, built on first use, once per communicator."""
+    if id(over) not in _private:
+        _private[id(over)] = PrivateGroupComm(over)
+    return _private[id(over)]
 
 
 _resolved: dict = {}
@@ -87,16 +117,23 @@ def _horovod_on() -> bool:
     return _horovod_seen
 
 
-def resolve(kind: Any, process_set: Any, layer: str) -> Optional[base.Communicator]:
+def resolve(kind: Any, process_set: Any, layer: str, nccl: bool = False) -> Optional[base.Communicator]:
     """The communicator a layer uses now, or ``None`` when it is alone (plain BN).
+    ``nccl``: the statistics are CUDA tensors on the device path, which a private group
+    carries over NCCL instead of MPI or Horovod (unless ``$HVD_SYNCBN_PRIVATE_GROUP=0``).
 
     Called on every forward: the answer is remembered for the state it depends on.
     """
     hvd_on = _horovod_on()
     state = (id(kind) if isinstance(kind, base.Communicator) else kind, os.environ.get(transports.COMM_ENV), hvd_on,
-             dist.is_available() and dist.is_initialized(), _set_key(process_set))
+             dist.is_available() and dist.is_initialized(), _set_key(process_set), nccl,
+             os.environ.get(private_group.ENV))
     if state not in _resolved:
-        _resolved[state] = _resolve(kind, process_set, layer, hvd_on)
+        comm = _resolve(kind, process_set, layer, hvd_on)
+        if nccl and comm is not None and comm.kind in ("mpi", "horovod") and dist.is_nccl_available() \
+                and private_group.enabled():
+            comm = private_comm(comm)
+        _resolved[state] = comm
     return _resolved[state]
 
 
@@ -104,10 +141,10 @@ def _resolve(kind: Any, process_set: Any, layer: str, hvd_on: bool) -> Optional[
     if hvd_on and isinstance(process_set, hvd.ProcessSet) and not process_set.included():
         raise transports.not_a_member(layer, hvd.rank(), process_set.ranks)
     group = process_set if process_set is not None else hvd.global_process_set if hvd_on else None
+    pg_exists = dist.is_available() and dist.is_initialized()  # in the key: comm='torch' is a private group without
     return transports.resolve(
-        kind, layer, (hvd.size(), hvd.rank()) if hvd_on else None, ("torch", _set_key(process_set)),
-        _ranks(process_set), lambda: HorovodComm(group),
-        lambda: _torch_dist(process_set, layer), dist.is_available() and dist.is_initialized())
+        kind, layer, (hvd.size(), hvd.rank()) if hvd_on else None, ("torch", _set_key(process_set), pg_exists),
+        _ranks(process_set), lambda: HorovodComm(group), lambda: _torch_dist(process_set, layer, hvd_on), pg_exists)
 
 
 def _set_key(process_set: Any) -> Any:
@@ -127,9 +164,9 @@ def _ranks(process_set: Any) -> Optional[list]:
     return list(process_set.ranks)
 
 
-def _torch_dist(process_set: Any, layer: str) -> TorchDistComm:
+def _torch_dist(process_set: Any, layer: str, hvd_on: bool) -> base.Communicator:
     if not (dist.is_available() and dist.is_initialized()):
-        raise RuntimeError(f"{layer}: comm='torch' needs torch.distributed.init_process_group() first")
+        return _private_torch(process_set, layer, hvd_on)
     if process_set is not None and not isinstance(process_set, dist.ProcessGroup):
         raise ValueError(
             f"{layer}: with comm='torch', expected process_set to be a torch.distributed "
@@ -138,3 +175,17 @@ def _torch_dist(process_set: Any, layer: str) -> TorchDistComm:
     if process_set is not None and dist.get_rank(process_set) < 0:
         raise transports.not_a_member(layer, dist.get_rank(), dist.get_process_group_ranks(process_set))
     return TorchDistComm(process_set)
+
+
+def _private_torch(process_set: Any, layer: str, hvd_on: bool) -> base.Communicator:
+    """``comm='torch'`` with no process group: a private one over the transport ``auto``
+    picks (MPI or Horovod); alone (one rank) a communicator of one."""
+    want, why = transports.choose("auto", (hvd.size(), hvd.rank()) if hvd_on else None)
+    if not private_group.enabled():
+        want, why = None, f"{private_group.ENV}=0"
+    if want is None:
+        raise RuntimeError(
+            f"{layer}: comm='torch' needs torch.distributed.init_process_group() first, or a job started by "
+            f"mpirun (with mpi4py) or horovodrun (after hvd.init()) to build a private group over ({why})")
+    over = _resolve("auto", process_set, layer, hvd_on)
+    return base.LocalCommunicator(size=1) if over is None else private_comm(over)

@@ -116,15 +116,15 @@ def _comm_index(comm: transport.Communicator) -> int:
 
 
 @torch.compiler.assume_constant_result
-def _resolved(layer: nn.Module) -> int:
-    comm = layer._resolve_comm()
+def _resolved(layer: nn.Module, nccl: bool) -> int:
+    comm = layer._resolve_comm(nccl)
     return -1 if comm is None else _comm_index(comm)
 
 
-def traced_comm(layer: nn.Module) -> Optional[transport.Communicator]:
-    """``layer._resolve_comm()`` while ``torch.compile`` traces: resolved once per trace
+def traced_comm(layer: nn.Module, nccl: bool = False) -> Optional[transport.Communicator]:
+    """``layer._resolve_comm(nccl)`` while ``torch.compile`` traces: resolved once per trace
     (Dynamo cannot trace the resolver, which asks Horovod and the environment)."""
-    index = _resolved(layer)
+    index = _resolved(layer, nccl)
     return None if index < 0 else _comms[index]
 
 
@@ -156,16 +156,16 @@ def _(buf, comm, layer, direction, channels, ndim, dtype):
 
 def reducer(layer, comm: transport.Communicator, x: Tensor, flags: List[Tensor]) -> Reduce:
     """``allreduce_sum(buf, direction)`` for the backend, on ``x``'s device; a static
-    header mismatch over ``torch.distributed`` is appended to ``flags``."""
+    header mismatch over ``torch.distributed`` (the user's group or a private one) is
+    appended to ``flags``."""
     channels, ndim, dtype = layer.num_features, x.dim(), str(x.dtype).replace("torch.", "")
-    group = getattr(comm, "group", None) if comm.kind == "torch" else False
-    if group is False:
+    if comm.kind != "torch":
         index = _comm_index(comm)
         return lambda buf, direction: _allreduce(buf, index, layer.layer_name, direction, channels, ndim, dtype)
 
     def over_group(buf: Tensor, direction: str) -> Tensor:
         head = header(layer.layer_name, direction, channels, ndim, dtype, comm.size)
-        out = funcol.all_reduce(torch.cat([buf.new_tensor(head), buf]), "sum", group or torch.distributed.group.WORLD)
+        out = funcol.all_reduce(torch.cat([buf.new_tensor(head), buf]), "sum", comm.group)
         out = funcol.wait_tensor(out)
         flags.append((out[0] != comm.size * head[0]) | (out[1] != comm.size * head[1]))
         return out[transport.HEADER:]
