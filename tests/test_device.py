@@ -158,6 +158,23 @@ def test_header_mismatch_poisons_the_output_and_raises_at_check(fake_world):
         check(model)
 
 
+@pytest.mark.parametrize("compiled", [False, True])
+def test_debug_asserts_raise_at_the_step(fake_world, monkeypatch, compiled):
+    """With HVD_SYNCBN_DEVICE_ASSERT=1 the header mismatch of the fake group fails the
+    step itself (on the CPU ``_assert_async`` raises at once), naming the first layer,
+    before any running statistic moves; eager and compiled alike."""
+    monkeypatch.setenv("HVD_SYNCBN_DEVICE_ASSERT", "1")
+    model = cnn("device")
+    step = torch.compile(model, backend="aot_eager", fullgraph=True) if compiled else model
+    with pytest.raises(RuntimeError, match=r"SyncBatchNorm \(device path\): 1: ranks summed different collectives"):
+        step(torch.randn(3, 3, 6, 6))
+    assert model[1].num_batches_tracked.item() == 0 and not model[1]._sync_errors.any()
+    torch._dynamo.reset()
+    monkeypatch.setenv("HVD_SYNCBN_DEVICE_ASSERT", "yes")
+    with pytest.raises(ValueError, match=r"HVD_SYNCBN_DEVICE_ASSERT: expected 0 .* or 1 .*, got 'yes'"):
+        model(torch.randn(3, 3, 6, 6))
+
+
 def test_bad_stats_and_compile_timeout_are_refused_with_what_was_expected(monkeypatch):
     from hvd_syncbn.torch import device
 

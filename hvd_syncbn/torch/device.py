@@ -16,12 +16,14 @@ Checks that would need a host read (a global batch of one row, ``check_finite``,
 static header) set flags in the layer's ``_sync_errors`` buffer instead; the running
 statistics are left alone on such a step and the output is NaN after a header mismatch.
 :func:`check` raises them, naming the layers; :meth:`SyncBatchNorm.train` and
-:meth:`~SyncBatchNorm.eval` call it.
+:meth:`~SyncBatchNorm.eval` call it. With ``$HVD_SYNCBN_DEVICE_ASSERT=1`` (debugging)
+each flag is also a ``torch._assert_async`` at the step.
 """
 
 from __future__ import annotations
 
 import math
+import os
 from typing import Callable, List, Optional
 
 import numpy as np
@@ -126,6 +128,21 @@ def traced_comm(layer: nn.Module, nccl: bool = False) -> Optional[transport.Comm
     (Dynamo cannot trace the resolver, which asks Horovod and the environment)."""
     index = _resolved(layer, nccl)
     return None if index < 0 else _comms[index]
+
+
+ASSERT_ENV = "HVD_SYNCBN_DEVICE_ASSERT"
+
+
+@torch.compiler.assume_constant_result
+def asserts() -> bool:
+    """Whether the deferred checks also assert at the step (``$HVD_SYNCBN_DEVICE_ASSERT=1``),
+    with ``torch._assert_async``: a debug mode, since on CUDA a failed assert loses its
+    message and leaves the CUDA context unusable."""
+    raw = os.environ.get(ASSERT_ENV, "0")
+    if raw not in ("0", "1"):
+        raise ValueError(f"{ASSERT_ENV}: expected 0 (errors deferred to check(), the default) or 1 "
+                         f"(also assert at the step, for debugging), got {raw!r}")
+    return raw == "1"
 
 
 COMPILE_TIMEOUT_ENV = "HVD_SYNCBN_COMPILE_TIMEOUT"
@@ -234,6 +251,9 @@ def forward(layer, x: Tensor, comm: transport.Communicator, acc: torch.dtype) ->
     else:
         errors.append(torch.zeros((), dtype=torch.bool, device=x.device))
     errors = torch.stack(errors)
+    if asserts():  # before anything updates
+        for flag, text in zip(errors, messages(layer.layer_name)):
+            torch._assert_async(~flag, f"SyncBatchNorm (device path): {text}")
     with torch.no_grad():
         layer._sync_errors |= errors.to(layer._sync_errors.device)
         if layer.training and layer.track_running_stats:
@@ -248,6 +268,12 @@ def forward(layer, x: Tensor, comm: transport.Communicator, acc: torch.dtype) ->
                 buf.copy_(torch.where(update, fresh, buf.double()).to(buf.dtype))
             layer.num_batches_tracked.copy_(tracked)
     return y
+
+
+def messages(name: str) -> tuple:
+    """What each flag of ``_sync_errors`` means, for layer ``name``."""
+    return (f"{name}: ranks summed different collectives (they disagree on the SyncBN layers, their order, "
+            f"channel count, input rank or dtype)", backend.single_row_message(name), backend.non_finite_message(name))
 
 
 def check(module: nn.Module) -> None:
@@ -267,10 +293,7 @@ def check(module: nn.Module) -> None:
         m._sync_errors.zero_()
     problems = []
     for m, row in zip(layers, seen):
-        messages = (f"{m.layer_name}: ranks summed different collectives (they disagree on the SyncBN layers, "
-                    f"their order, channel count, input rank or dtype)",
-                    backend.single_row_message(m.layer_name), backend.non_finite_message(m.layer_name))
-        problems += [text for text, bad in zip(messages, row) if bad]
+        problems += [text for text, bad in zip(messages(m.layer_name), row) if bad]
     if not problems:
         return
     message = "SyncBatchNorm (device path): " + "; ".join(problems)
