@@ -77,6 +77,17 @@ def env_seconds(name: str, default: float, zero: bool = False) -> float:
     return value
 
 
+def env_flag(name: str, default: bool, off: str, on: str) -> bool:
+    """A switch from the environment variable ``name`` (``default`` if unset): ``0`` or
+    ``1``, else ``ValueError`` naming the variable and what each value means (``off``, ``on``)."""
+    raw = os.environ.get(name)
+    if raw is None:
+        return default
+    if raw not in ("0", "1"):
+        raise ValueError(f"{name}: expected 0 ({off}) or 1 ({on}), got {raw!r}")
+    return raw == "1"
+
+
 class Communicator:
     """A summing allreduce of 1-D float64 numpy buffers over a fixed group of ranks."""
 

@@ -23,7 +23,6 @@ each flag is also a ``torch._assert_async`` at the step.
 from __future__ import annotations
 
 import math
-import os
 from typing import Callable, List, Optional
 
 import numpy as np
@@ -138,11 +137,8 @@ def asserts() -> bool:
     """Whether the deferred checks also assert at the step (``$HVD_SYNCBN_DEVICE_ASSERT=1``),
     with ``torch._assert_async``: a debug mode, since on CUDA a failed assert loses its
     message and leaves the CUDA context unusable."""
-    raw = os.environ.get(ASSERT_ENV, "0")
-    if raw not in ("0", "1"):
-        raise ValueError(f"{ASSERT_ENV}: expected 0 (errors deferred to check(), the default) or 1 "
-                         f"(also assert at the step, for debugging), got {raw!r}")
-    return raw == "1"
+    return transport.env_flag(ASSERT_ENV, False, "errors deferred to check(), the default",
+                              "also assert at the step, for debugging")
 
 
 COMPILE_TIMEOUT_ENV = "HVD_SYNCBN_COMPILE_TIMEOUT"

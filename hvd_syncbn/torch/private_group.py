@@ -43,10 +43,7 @@ _names = itertools.count()
 
 def enabled() -> bool:
     """Whether a private group may be built: ``$HVD_SYNCBN_PRIVATE_GROUP`` (``1``, the default, or ``0``)."""
-    raw = os.environ.get(ENV, "1")
-    if raw not in ("0", "1"):
-        raise ValueError(f"{ENV}: expected 0 (no private group) or 1 (the default), got {raw!r}")
-    return raw == "1"
+    return transport.env_flag(ENV, True, "no private group", "the default")
 
 
 def host_id() -> str:
