@@ -308,10 +308,11 @@ class SyncBatchNorm(_BatchNorm):
         return self.momentum if self.momentum is not None else 1.0 / float(self.num_batches_tracked)
 
     def forward(self, input: Tensor) -> Tensor:
-        on_device = self.stats == "device" or self.stats == "auto" and (
-            input.device.type != "cpu" or torch.compiler.is_compiling())
-        synced = self.training or not self.track_running_stats
-        comm = self._comm(on_device and input.device.type == "cuda") if synced else None
+        comm, on_device = None, False
+        if self.training or not self.track_running_stats:  # synchronized
+            on_device = self.stats == "device" or self.stats == "auto" and (
+                input.device.type != "cpu" or torch.compiler.is_compiling())
+            comm = self._comm(on_device and input.device.type == "cuda")
         if comm is not None:
             if on_device:
                 return device.forward(self, input, comm, self._acc_dtype(input))
