@@ -123,6 +123,6 @@ fi
 # 6. A check that Horovod has everything we use.
 check=$(PATH="$VENV/bin:$PATH" TF_CPP_MIN_LOG_LEVEL=3 "$VENV/bin/horovodrun" --check-build 2>/dev/null)
 for want in TensorFlow PyTorch MPI Gloo; do
-  echo "$check" | grep -q "\[X\] $want" || { echo "$check" >&2; die "horovodrun --check-build lacks $want"; }
+  grep -q "\[X\] $want" <<<"$check" || { echo "$check" >&2; die "horovodrun --check-build lacks $want"; }
 done
 log "ready: $VENV (Horovod $HOROVOD_VERSION with TensorFlow, PyTorch, MPI, Gloo)"

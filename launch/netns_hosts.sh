@@ -99,7 +99,7 @@ found=$(leftovers)
 [ -z "$found" ] || die "already there (another run, or one killed with -9):
 $found
 Remove them with: $0 --cleanup --prefix $prefix"
-if ip -o -4 addr show | grep -q " inet ${subnet//./\\.}\."; then
+if grep -q " inet ${subnet//./\\.}\." <<<"$(ip -o -4 addr show)"; then  # no pipe: grep -q may end it early
   die "$subnet.0/24 is already in use here (ip -4 addr): choose another --subnet"
 fi
 
