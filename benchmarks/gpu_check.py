@@ -11,8 +11,10 @@ Checks, each a row of the table:
 2. ``torch.cuda.set_sync_debug_mode("error")`` over 3 training steps of a converted
    ResNet-50: no host sync;
 3. a CUDA-graph capture and replay of a training step, against the same step eager;
-4. 2 processes sharing the device over Gloo, against one process running plain BN on
-   the concatenated batch.
+4. 2 processes sharing the device, against one process running plain BN on the
+   concatenated batch: over Gloo, and (where mpirun and mpi4py are) under mpirun over the
+   private group (NCCL) and with the custom op over MPI (staged through pinned host
+   memory; as it is where MPI is CUDA-aware) and over Horovod (where installed).
 
 The layers get the 1-rank group's communicator directly: alone, ``SyncBatchNorm`` would
 be plain BN and make no collective.
@@ -21,7 +23,10 @@ be plain BN and make no collective.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
+import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -32,7 +37,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
 from hvd_syncbn.torch import SyncBatchNorm, convert_sync_batchnorm  # noqa: E402
 from hvd_syncbn.torch.comm import TorchDistComm  # noqa: E402
 
@@ -167,11 +173,12 @@ def cuda_graph(device) -> None:
     row("CUDA graph", "capture + replay of a step", result)
 
 
-def _two_ranks(rank: int, init: str, device_type: str, out: str) -> None:
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
+def _one_rank(rank: int, device_type: str, out: str) -> None:
+    """Rank ``rank`` of 2: one device-path step on its share (3 + 2 rows), saved to ``out.rank``."""
     device = torch.device(device_type)
     torch.manual_seed(0)
     model = convert_sync_batchnorm(nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU())).to(device)
+    model[1].stats = "device"  # the device path on the CPU too (the dry run)
     torch.manual_seed(1)
     x = torch.randn(5, 3, 12, 12)
     mine = x[:3] if rank == 0 else x[3:]
@@ -179,6 +186,11 @@ def _two_ranks(rank: int, init: str, device_type: str, out: str) -> None:
     y.square().sum().backward()
     torch.save(dict(y=y.detach().cpu(), grad=model[0].weight.grad.cpu(), mean=model[1].running_mean.cpu()),
                f"{out}.{rank}")
+
+
+def _two_ranks(rank: int, init: str, device_type: str, out: str) -> None:
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
+    _one_rank(rank, device_type, out)
     dist.destroy_process_group()
 
 
@@ -187,6 +199,60 @@ def two_processes(device) -> None:
         init = f"file://{tmp}/init"
         mp.spawn(_two_ranks, args=(init, device.type, f"{tmp}/out"), nprocs=2)
         got = [torch.load(f"{tmp}/out.{r}") for r in range(2)]
+    compare(got, "2 processes, 1 device", f"gloo, {device.type} tensors, 3+2 rows")
+
+
+def under_mpirun(device) -> None:
+    """``device`` tensors at 2 ranks under mpirun with no process group: over the private
+    group (NCCL for CUDA, as ``auto`` takes), and the custom op over MPI staged through
+    pinned host memory, over MPI as it is if CUDA-aware, and over Horovod."""
+    mpirun = shutil.which("mpirun")
+    if mpirun is None or importlib.util.find_spec("mpi4py") is None:
+        row("2 processes, mpirun", "mpirun", "skipped: no mpirun or mpi4py here")
+        return
+    runs = [("torch", "", f"private group over MPI ({'NCCL' if device.type == 'cuda' else 'Gloo'})"),
+            ("mpi", "0", "MPI, staged" if device.type == "cuda" else "MPI")]
+    if device.type == "cuda" and _under_mpirun(mpirun, "-c", "from hvd_syncbn import transports; "
+                                               "assert transports.mpi_reads_cuda()").returncode == 0:
+        runs.append(("mpi", "1", "MPI, CUDA-aware"))
+    if importlib.util.find_spec("horovod") is not None:
+        runs.append(("horovod", "", "Horovod"))
+    for comm, cuda_aware, label in runs:
+        setting = f"{label}, {device.type} tensors, 3+2 rows"
+        with tempfile.TemporaryDirectory() as tmp:
+            try:
+                done = _under_mpirun(mpirun, __file__, "--rank-of-2", device.type, f"{tmp}/out",
+                                     HVD_SYNCBN_COMM=comm, HVD_SYNCBN_MPI_CUDA=cuda_aware or "0")
+                why = (done.stderr or done.stdout).strip().splitlines()[-1:] if done.returncode else []
+            except subprocess.TimeoutExpired:
+                why = ["timed out after 300 s"]
+            if why:
+                row("2 processes, mpirun", setting, f"FAILED: {' '.join(why)[:80]}")
+                continue
+            compare([torch.load(f"{tmp}/out.{r}") for r in range(2)], "2 processes, mpirun", setting)
+
+
+def _under_mpirun(mpirun: str, *args: str, **settings: str) -> subprocess.CompletedProcess:
+    """``python args`` at 2 ranks under ``mpirun``, with the environment ``settings``."""
+    root = ["--allow-run-as-root"] if os.geteuid() == 0 else []
+    passed = [a for name in ("OMP_NUM_THREADS", "PATH", *settings) for a in ("-x", name)]
+    return subprocess.run([mpirun, *root, "--oversubscribe", "-np", "2", *passed, sys.executable, *args], cwd=ROOT,
+                          env=dict(os.environ, OMP_NUM_THREADS="1", **settings), capture_output=True, text=True,
+                          timeout=300)
+
+
+def _rank_under_mpirun(device_type: str, out: str) -> None:
+    if os.environ["HVD_SYNCBN_COMM"] == "horovod":
+        import horovod.torch as hvd
+
+        hvd.init()
+    from mpi4py import MPI
+
+    _one_rank(MPI.COMM_WORLD.Get_rank(), device_type, out)
+
+
+def compare(got: list, check: str, setting: str) -> None:
+    """A row: the ranks' saved step against one process on the whole batch."""
     torch.manual_seed(0)
     plain = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU()).double()
     torch.manual_seed(1)
@@ -197,7 +263,7 @@ def two_processes(device) -> None:
              (sum(g["grad"] for g in got).double() - plain[0].weight.grad).abs().max() / plain[0].weight.grad.abs().max(),
              max((g["mean"].double() - plain[1].running_mean).abs().max() for g in got)]
     ok = all(float(d.detach()) < 1e-4 for d in diffs)
-    row("2 processes, 1 device", f"gloo, {device.type} tensors, 3+2 rows",
+    row(check, setting,
         f"{'ok' if ok else 'MISMATCH'}: max diff y {diffs[0]:.1e}, dW {diffs[1]:.1e} rel, mean {diffs[2]:.1e}")
 
 
@@ -205,7 +271,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dry-run", action="store_true", help="on the CPU, tiny sizes: check the plumbing")
     parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--rank-of-2", nargs=2, metavar=("DEVICE", "OUT"), help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.rank_of_2:  # a rank under mpirun, started by under_mpirun
+        _rank_under_mpirun(*args.rank_of_2)
+        return
     if tuple(int(v) for v in torch.__version__.split(".")[:2]) < (2, 4):
         sys.exit(f"gpu_check: expected torch >= 2.4 (torch.library.custom_op), got {torch.__version__}")
     cuda = torch.cuda.is_available() and not args.dry_run
@@ -223,6 +293,7 @@ def main() -> None:
         cuda_graph(device)
         dist.destroy_process_group()
     two_processes(device)
+    under_mpirun(device)
     print(f"\n| check | setting | result |\n|---|---|---|")
     for r in ROWS:
         print(f"| {' | '.join(r)} |")

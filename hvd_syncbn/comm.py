@@ -25,7 +25,7 @@ import os
 import time
 import zlib
 from dataclasses import asdict, dataclass
-from typing import Any, List, Optional
+from typing import Any, Callable, List, Optional
 
 import numpy as np
 
@@ -89,7 +89,8 @@ def env_flag(name: str, default: bool, off: str, on: str) -> bool:
 
 
 class Communicator:
-    """A summing allreduce of 1-D float64 numpy buffers over a fixed group of ranks."""
+    """A summing allreduce of 1-D float64 numpy buffers over a fixed group of ranks; some
+    also take an adapter's tensors (:attr:`device_buffers`)."""
 
     kind = "?"
     rank = 0
@@ -97,8 +98,11 @@ class Communicator:
     spins = 0
     """Polls before the caller starts sleeping between polls: MPI progresses only inside
     its calls, so it spins; transports with their own threads should not steal a core."""
+    device_buffers = False
+    """Whether ``start`` takes CUDA buffers as they are (the transport reads device
+    memory); else an adapter stages them through host memory."""
 
-    def start(self, buf: np.ndarray, name: str) -> Any:
+    def start(self, buf: Any, name: str) -> Any:
         """Begin summing ``buf`` (which may be reused as the output); return a handle."""
         raise NotImplementedError
 
@@ -112,8 +116,9 @@ class Communicator:
     def done(self, handle: Any) -> bool:
         raise NotImplementedError
 
-    def result(self, handle: Any) -> np.ndarray:
-        """The summed buffer; raises if the transport failed."""
+    def result(self, handle: Any) -> Any:
+        """The summed buffer (``start``'s, where the transport sums in place); raises if
+        the transport failed."""
         raise NotImplementedError
 
     def wait(self, handle: Any, deadline: float) -> bool:
@@ -210,15 +215,22 @@ def prepend(head: List[float], payload: np.ndarray) -> np.ndarray:
     return np.concatenate([np.asarray(head, dtype=np.float64), payload])
 
 
-def allreduce(comm: Communicator, payload: np.ndarray, call: Call, timeout: Optional[float] = None) -> np.ndarray:
-    """Sum the float64 ``payload`` over ``comm``'s ranks behind the identity header;
-    returns the sum without the header. Raises :class:`SyncBatchNormError` on every rank
+Join = Callable[[List[float], Any], Any]
+"""``join(head, payload) -> buffer``: ``head`` followed by ``payload`` in one float64
+buffer that the communicator takes (:func:`prepend` for numpy)."""
+
+
+def allreduce(comm: Communicator, payload: Any, call: Call, timeout: Optional[float] = None,
+              join: Join = prepend) -> Any:
+    """Sum the float64 ``payload`` over ``comm``'s ranks behind the identity header, in
+    the buffer ``join`` builds (an adapter's puts its tensors on the transport); returns
+    the sum without the header. Raises :class:`SyncBatchNormError` on every rank
     it can reach if the ranks are not in the same collective or one does not answer
     within ``timeout`` seconds (default: :func:`get_timeout`)."""
     head = header(call, comm.size)
     timeout, since = timeout or get_timeout(), time.monotonic()
     try:
-        handle = comm.start(prepend(head, payload), call.name)
+        handle = comm.start(join(head, payload), call.name)
         if not _wait(comm, handle, since + timeout):
             fail(comm, call, f"no match within {timeout:g} s ({TIMEOUT_ENV})", since=since, stuck=True)
         out = comm.result(handle)
@@ -227,27 +239,27 @@ def allreduce(comm: Communicator, payload: np.ndarray, call: Call, timeout: Opti
     except Exception as e:  # the transport's own error (e.g. Horovod's shape mismatch)
         fail(comm, call, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}", since=since,
              stuck=True)
-    got = (float(out[0]), float(out[1]))
+    got = tuple(out[:HEADER].tolist())  # numpy and tensors alike
     if got != (comm.size * head[0], comm.size * head[1]):
         fail(comm, call, "ranks summed different collectives", since=since)
     return out[HEADER:]
 
 
 def poison(comm: Communicator, call: Call, problem: str, error: type = SyncBatchNormInputError,
-           cause: Optional[BaseException] = None) -> None:
+           cause: Optional[BaseException] = None, join: Join = prepend) -> None:
     """Join the forward collective this rank owes (``2·call.channels + 1`` values, as
     :func:`hvd_syncbn.backend.pack_moments` packs) with a header no peer can match, so
     that every rank fails together and learns ``problem`` instead of waiting for it.
 
     Raises ``error`` here (:class:`SyncBatchNormInputError` for this rank's bad input),
     chained to ``cause``; the peers raise :class:`SyncBatchNormError` naming this rank
-    and ``problem``.
+    and ``problem``. ``join``: as the peers' :func:`allreduce` builds its buffer.
     """
     call.problem = problem
     head, since = [-1.0, 1.0], time.monotonic()
     stuck = True
     try:
-        handle = comm.start(prepend(head, np.zeros(2 * call.channels + 1)), call.name)
+        handle = comm.start(join(head, np.zeros(2 * call.channels + 1)), call.name)
         stuck = not _wait(comm, handle, since + get_timeout())
         comm.result(handle)
     except Exception:  # noqa: BLE001 - the diagnosis below says what happened

@@ -8,13 +8,14 @@ state and builders; this module imports no framework.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 from typing import Any, Callable, List, Optional, Tuple
 
 import numpy as np
 
-from hvd_syncbn.comm import Communicator
+from hvd_syncbn.comm import Communicator, env_flag
 
 log = logging.getLogger("hvd_syncbn")
 
@@ -128,13 +129,40 @@ def mpi_usable(expected_size: Optional[int], expected_rank: Optional[int]) -> st
     return ""
 
 
+MPI_CUDA_ENV = "HVD_SYNCBN_MPI_CUDA"
+
+
+def mpi_reads_cuda() -> bool:
+    """Whether MPI takes CUDA buffers (CUDA-aware MPI): ``$HVD_SYNCBN_MPI_CUDA`` (0 or 1),
+    else what the library says (Open MPI's ``MPIX_Query_cuda_support``, MPICH's
+    ``MPIX_GPU_query_support``), else no."""
+    if MPI_CUDA_ENV in os.environ:
+        return env_flag(MPI_CUDA_ENV, False, "MPI reads host memory only: stage CUDA buffers through the host",
+                        "MPI is CUDA-aware: pass it CUDA buffers")
+    from mpi4py import MPI
+
+    try:
+        lib = ctypes.CDLL(MPI.__file__)  # its symbols and those of the MPI library it links
+    except OSError:
+        return False
+    if hasattr(lib, "MPIX_Query_cuda_support"):
+        return bool(lib.MPIX_Query_cuda_support())
+    if hasattr(lib, "MPIX_GPU_query_support"):
+        supported = ctypes.c_int(0)
+        lib.MPIX_GPU_query_support(0, ctypes.byref(supported))  # 0: MPIX_GPU_SUPPORT_CUDA
+        return bool(supported.value)
+    return False
+
+
 class MpiCommunicator(Communicator):
     """mpi4py on a duplicate of ``MPI.COMM_WORLD`` (or of a group of it), with a second
     duplicate for diagnostics. ``comm``: use this MPI communicator as it is.
 
     Sums are MPI's own nonblocking ``Iallreduce`` (in place), and the diagnosis an
     ``Iallgather``, polled with ``Test`` against the deadline: the MPI library picks the
-    algorithm for the network it runs on (shared memory, UCX, collective offload)."""
+    algorithm for the network it runs on (shared memory, UCX, collective offload). CUDA
+    buffers (``__cuda_array_interface__``) go to MPI as they are where it is CUDA-aware
+    (:func:`mpi_reads_cuda`)."""
 
     kind = "mpi"
     spins = 2000
@@ -154,10 +182,17 @@ class MpiCommunicator(Communicator):
             self._side = MpiCommunicator(comm=side)
         self.comm = comm
         self.rank, self.size = comm.Get_rank(), comm.Get_size()
+        self.device_buffers = mpi_reads_cuda()
 
     def start(self, buf, name):
-        arr = np.ascontiguousarray(buf, dtype=np.float64)
-        return arr, self.comm.Iallreduce(self._mpi.IN_PLACE, arr, op=self._mpi.SUM)
+        """``buf``: a contiguous float64 buffer, summed in place (a CUDA one where
+        :attr:`device_buffers`, its stream synchronized by the caller)."""
+        cuda = hasattr(buf, "__cuda_array_interface__")
+        arr = buf if cuda else np.asarray(buf)
+        if not cuda and (arr.dtype != np.float64 or not arr.flags.c_contiguous):
+            raise TypeError(f"MpiCommunicator: expected a contiguous float64 buffer, got {arr.dtype} "
+                            f"{'' if arr.flags.c_contiguous else 'non-'}contiguous")
+        return buf, self.comm.Iallreduce(self._mpi.IN_PLACE, arr, op=self._mpi.SUM)
 
     def start_gather(self, row):
         table = np.empty((self.size, row.size), dtype=row.dtype)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import subprocess
 import time
 from collections import OrderedDict
 
@@ -173,6 +174,20 @@ def a_peer_still_compiling_does_not_trip_the_timeout():
     finally:
         transport._timeout = None
     assert np.isfinite(out.detach().numpy()).all()
+
+
+if COMM == "mpi":
+    def test_mpi_reads_cuda_buffers_as_the_library_says(monkeypatch):
+        """Unset, HVD_SYNCBN_MPI_CUDA is what Open MPI was built with (``ompi_info``; the
+        apt build here has no CUDA), and the layers' communicator follows it."""
+        monkeypatch.delenv("HVD_SYNCBN_MPI_CUDA", raising=False)
+        info = subprocess.run(["ompi_info", "--parsable", "--all"], capture_output=True, text=True, check=True)
+        built = "mpi_built_with_cuda_support:value:true" in info.stdout
+        assert "mpi_built_with_cuda_support:value:" in info.stdout
+        from hvd_syncbn import transports
+
+        assert transports.mpi_reads_cuda() is built
+        assert SyncBatchNorm(4, name="cuda.bn")._comm().device_buffers is built
 
 
 if COMM != "torch":  # functional collectives wait by the process group's own timeout

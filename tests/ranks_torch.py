@@ -413,19 +413,21 @@ def test_transport_follows_the_documented_rule():
 
 
 def test_cuda_statistics_take_a_private_group_over_the_transport(monkeypatch):
-    """The device path's CUDA statistics (asked for as the layer does; no GPU here) over
-    MPI or Horovod sum over a private group bootstrapped over that transport (across
-    hosts too, under test_multihost.py); HVD_SYNCBN_PRIVATE_GROUP=0 keeps the transport.
-    Alone, or on the user's torch.distributed group, nothing is built."""
+    """The device path's CUDA statistics (asked for as the layer does; no GPU here) under
+    ``auto`` over MPI or Horovod sum over a private group bootstrapped over that transport
+    (across hosts too, under test_multihost.py); HVD_SYNCBN_PRIVATE_GROUP=0, or the
+    transport asked for by name (argument or HVD_SYNCBN_COMM), keeps the transport. Alone,
+    or on the user's torch.distributed group, nothing is built."""
     import torch.distributed as dist
     import torch.distributed._functional_collectives as funcol
     from hvd_syncbn.torch import comm as torch_comm
 
     monkeypatch.setattr(dist, "is_nccl_available", lambda: True)  # as in a CUDA build of torch
     over, comm = SyncBatchNorm(4, name="nccl.bn")._comm(), SyncBatchNorm(4, name="nccl.bn")._comm(nccl=True)
-    if over is None or over.kind == "torch":
+    if over is None or over.kind == "torch" or os.environ.get("HVD_SYNCBN_COMM"):
         assert comm is over, (comm, over)
         return
+    assert SyncBatchNorm(4, name="nccl.bn", comm=over.kind)._comm(nccl=True) is over
     assert isinstance(comm, torch_comm.PrivateGroupComm) and comm.over is over, (comm, over)
     total = [WORLD * (WORLD + 1) / 2] * 3
     ones = torch.full((3,), RANK + 1.0, dtype=torch.float64)

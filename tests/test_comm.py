@@ -187,6 +187,17 @@ def test_timeout_and_transport_settings_are_validated(monkeypatch):
         transports.requested_kind(3)
 
 
+def test_the_mpi_cuda_setting_overrides_the_library_and_is_validated(monkeypatch):
+    """What the library reports is tested under mpirun (ranks_compile.py)."""
+    for raw, aware in (("1", True), ("0", False)):
+        monkeypatch.setenv("HVD_SYNCBN_MPI_CUDA", raw)
+        assert transports.mpi_reads_cuda() is aware
+    monkeypatch.setenv("HVD_SYNCBN_MPI_CUDA", "yes")
+    with pytest.raises(ValueError, match=r"HVD_SYNCBN_MPI_CUDA: expected 0 \(MPI reads host memory only: .*\) "
+                                         r"or 1 \(MPI is CUDA-aware: .*\), got 'yes'"):
+        transports.mpi_reads_cuda()
+
+
 def test_make_call_counts_steps_per_communicator_and_direction():
     """Each rank's ``make_call`` numbers a layer's calls per direction on its own
     communicator, starting at 0, and carries that communicator's rank."""

@@ -200,3 +200,22 @@ def test_revert_drops_what_the_device_path_added():
     assert not hasattr(model[1], "stats")
     assert set(model.state_dict()) == set(nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(),
                                                         nn.Conv2d(4, 5, 3), nn.BatchNorm2d(5)).state_dict())
+
+
+def test_bad_input_on_one_rank_fails_every_rank_on_the_device_path():
+    """Rank 1 feeds 4 channels to a 3-channel layer: over a thread world (the custom op)
+    it raises its own error as bad input, and rank 0, whose input is fine, a
+    SyncBatchNormError naming rank 1 and the problem, within the timeout."""
+    from hvd_syncbn import SyncBatchNormError, SyncBatchNormInputError
+
+    def rank(r, comm):
+        layer = SyncBatchNorm(3, name="bad.bn", stats="device", comm=comm)
+        with pytest.raises(SyncBatchNormError) as raised:
+            layer(torch.randn(2, 3 + r, 4, 4))
+        return isinstance(raised.value, SyncBatchNormInputError), str(raised.value)
+
+    with collective_timeout(5.0):
+        (input0, text0), (input1, text1) = results(run(2, rank))
+    assert not input0 and input1
+    problem = "rank 1: bad.bn: expected 3 channels on axis 1, got 4"
+    assert problem in text0 and problem in text1, (text0, text1)

@@ -22,22 +22,28 @@ except ImportError:  # pragma: no cover - exercised only where Horovod is missin
 
 
 class HorovodComm(base.Communicator):
-    """Horovod's allreduce, in place on a CPU tensor over the numpy buffer."""
+    """Horovod's allreduce, in place: on a numpy buffer (as a CPU tensor) or a tensor,
+    CUDA tensors too where Horovod was built with GPU support (over NCCL where built
+    with ``HOROVOD_GPU_OPERATIONS=NCCL``)."""
 
     kind = "horovod"
 
     def __init__(self, process_set: Any) -> None:
         self.ps = process_set
         self.rank, self.size = process_set.rank(), process_set.size()
+        # Built without GPU support, Horovod refuses CUDA tensors (its ready event needs CUDA).
+        self.device_buffers = bool(hvd.cuda_built() or hvd.rocm_built())
 
     def start(self, buf, name):
-        return hvd.allreduce_async_(torch.from_numpy(buf), op=hvd.Sum, name=name, process_set=self.ps)
+        tensor = buf if isinstance(buf, torch.Tensor) else torch.from_numpy(buf)
+        return buf, hvd.allreduce_async_(tensor, op=hvd.Sum, name=name, process_set=self.ps)
 
     def done(self, handle):
-        return hvd.poll(handle)
+        return hvd.poll(handle[1])
 
     def result(self, handle):
-        return hvd.synchronize(handle).numpy()
+        hvd.synchronize(handle[1])
+        return handle[0]
 
     def abort(self):
         hvd.shutdown()
@@ -119,8 +125,9 @@ def _horovod_on() -> bool:
 
 def resolve(kind: Any, process_set: Any, layer: str, nccl: bool = False) -> Optional[base.Communicator]:
     """The communicator a layer uses now, or ``None`` when it is alone (plain BN).
-    ``nccl``: the statistics are CUDA tensors on the device path, which a private group
-    carries over NCCL instead of MPI or Horovod (unless ``$HVD_SYNCBN_PRIVATE_GROUP=0``).
+    ``nccl``: the statistics are CUDA tensors on the device path, which under ``auto`` a
+    private group carries over NCCL instead of MPI or Horovod (unless
+    ``$HVD_SYNCBN_PRIVATE_GROUP=0``); ``comm='mpi'`` or ``'horovod'`` keeps that transport.
 
     Called on every forward: the answer is remembered for the state it depends on.
     """
@@ -131,7 +138,7 @@ def resolve(kind: Any, process_set: Any, layer: str, nccl: bool = False) -> Opti
     if state not in _resolved:
         comm = _resolve(kind, process_set, layer, hvd_on)
         if nccl and comm is not None and comm.kind in ("mpi", "horovod") and dist.is_nccl_available() \
-                and private_group.enabled():
+                and private_group.enabled() and transports.requested_kind(kind) == "auto":
             comm = private_comm(comm)
         _resolved[state] = comm
     return _resolved[state]

@@ -10,7 +10,10 @@ traces whole under ``torch.compile(fullgraph=True)``. The summing allreduce is:
   mismatch raises a deferred flag;
 - over any other transport (Horovod, MPI): the custom op ``hvd_syncbn::allreduce``
   around :func:`hvd_syncbn.comm.allreduce`, which keeps the step-counted header, the
-  deadline and the diagnosis at run time (one host copy of the buffer per collective).
+  deadline and the diagnosis at run time. CUDA buffers go to the transport as they are
+  where it reads device memory (Horovod built with GPU support, NCCL where built so;
+  CUDA-aware MPI), else through one pinned host copy (:func:`joiner`): one wait for the
+  device per collective.
 
 Checks that would need a host read (a global batch of one row, ``check_finite``, the
 static header) set flags in the layer's ``_sync_errors`` buffer instead; the running
@@ -25,7 +28,6 @@ from __future__ import annotations
 import math
 from typing import Callable, List, Optional
 
-import numpy as np
 import torch
 import torch.distributed._functional_collectives as funcol
 from torch import Tensor, nn
@@ -158,8 +160,32 @@ def _allreduce(buf: Tensor, comm: int, layer: str, direction: str, channels: int
     c = _comms[comm]
     call = transport.make_call(c, layer, direction, channels, ndim, dtype)
     timeout = transport.get_timeout() + (compile_timeout() if call.step == 0 else 0.0)
-    out = transport.allreduce(c, buf.detach().cpu().numpy(), call, timeout)
-    return torch.from_numpy(np.ascontiguousarray(out)).to(buf.device)
+    out = transport.allreduce(c, buf.detach(), call, timeout, join=joiner(c, buf.device))
+    return torch.as_tensor(out).to(buf.device, non_blocking=True)  # staged: from pinned memory, no wait
+
+
+def joiner(comm: transport.Communicator, device: torch.device) -> transport.Join:
+    """``join`` for :func:`hvd_syncbn.comm.allreduce` of buffers on ``device`` over the
+    custom op's ``comm``: a tensor the transport takes, ready for it.
+
+    A CUDA buffer crosses as it is where ``comm.device_buffers`` (CUDA-aware MPI, Horovod
+    built with GPU support), else through one pinned host copy; either way after the one
+    wait for the device of the collective (the transport reads the buffer from the host's
+    side). A CPU buffer crosses as it is."""
+    def join(head: List[float], payload) -> Tensor:
+        payload = torch.as_tensor(payload, dtype=torch.float64, device=device)
+        if device.type != "cuda":
+            return torch.cat([payload.new_tensor(head), payload])
+        staged = not comm.device_buffers
+        head_t = torch.tensor(head, dtype=torch.float64, pin_memory=True)
+        buf = torch.empty(transport.HEADER + payload.numel(), dtype=torch.float64,
+                          device="cpu" if staged else device, pin_memory=staged)
+        buf[:transport.HEADER].copy_(head_t, non_blocking=True)
+        buf[transport.HEADER:].copy_(payload, non_blocking=True)
+        torch.cuda.current_stream(device).synchronize()
+        return buf
+
+    return join
 
 
 @_allreduce.register_fake
@@ -238,7 +264,7 @@ def forward(layer, x: Tensor, comm: transport.Communicator, acc: torch.dtype) ->
         layer._check_input_dim(x)
     except ValueError as e:  # over a transport with a diagnosis, every rank fails together
         if comm.kind != "torch":
-            transport.poison(comm, call(layer, comm, "fwd", x), str(e))
+            transport.poison(comm, call(layer, comm, "fwd", x), str(e), join=joiner(comm, x.device))
         raise
     y, total, mean, var, bad = _DeviceFn.apply(x, layer.weight, layer.bias, layer, comm, acc)
     errors = [bad, total[0] == 1]
