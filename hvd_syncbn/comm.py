@@ -99,11 +99,12 @@ class Communicator:
     """Polls before the caller starts sleeping between polls: MPI progresses only inside
     its calls, so it spins; transports with their own threads should not steal a core."""
     device_buffers = False
-    """Whether ``start`` takes CUDA buffers as they are (the transport reads device
-    memory); else an adapter stages them through host memory."""
+    """Whether ``start`` also takes an adapter's CUDA buffers as they are (the transport
+    reads device memory); else the adapter copies them to the host."""
 
     def start(self, buf: Any, name: str) -> Any:
-        """Begin summing ``buf`` (which may be reused as the output); return a handle."""
+        """Begin summing ``buf``, a float64 numpy buffer (or a CUDA one, see
+        :attr:`device_buffers`), which may be reused as the output; return a handle."""
         raise NotImplementedError
 
     def start_gather(self, row: np.ndarray) -> Any:
@@ -117,8 +118,7 @@ class Communicator:
         raise NotImplementedError
 
     def result(self, handle: Any) -> Any:
-        """The summed buffer (``start``'s, where the transport sums in place); raises if
-        the transport failed."""
+        """The summed buffer, of ``start``'s kind; raises if the transport failed."""
         raise NotImplementedError
 
     def wait(self, handle: Any, deadline: float) -> bool:
@@ -217,16 +217,16 @@ def prepend(head: List[float], payload: np.ndarray) -> np.ndarray:
 
 Join = Callable[[List[float], Any], Any]
 """``join(head, payload) -> buffer``: ``head`` followed by ``payload`` in one float64
-buffer that the communicator takes (:func:`prepend` for numpy)."""
+buffer for the communicator (:func:`prepend`: numpy; an adapter's: its CUDA tensors)."""
 
 
 def allreduce(comm: Communicator, payload: Any, call: Call, timeout: Optional[float] = None,
               join: Join = prepend) -> Any:
     """Sum the float64 ``payload`` over ``comm``'s ranks behind the identity header, in
-    the buffer ``join`` builds (an adapter's puts its tensors on the transport); returns
-    the sum without the header. Raises :class:`SyncBatchNormError` on every rank
-    it can reach if the ranks are not in the same collective or one does not answer
-    within ``timeout`` seconds (default: :func:`get_timeout`)."""
+    the buffer ``join`` builds; returns the sum without the header. Raises
+    :class:`SyncBatchNormError` on every rank it can reach if the ranks are not in the
+    same collective or one does not answer within ``timeout`` seconds (default:
+    :func:`get_timeout`)."""
     head = header(call, comm.size)
     timeout, since = timeout or get_timeout(), time.monotonic()
     try:

@@ -185,14 +185,9 @@ class MpiCommunicator(Communicator):
         self.device_buffers = mpi_reads_cuda()
 
     def start(self, buf, name):
-        """``buf``: a contiguous float64 buffer, summed in place (a CUDA one where
-        :attr:`device_buffers`, its stream synchronized by the caller)."""
-        cuda = hasattr(buf, "__cuda_array_interface__")
-        arr = buf if cuda else np.asarray(buf)
-        if not cuda and (arr.dtype != np.float64 or not arr.flags.c_contiguous):
-            raise TypeError(f"MpiCommunicator: expected a contiguous float64 buffer, got {arr.dtype} "
-                            f"{'' if arr.flags.c_contiguous else 'non-'}contiguous")
-        return buf, self.comm.Iallreduce(self._mpi.IN_PLACE, arr, op=self._mpi.SUM)
+        # A CUDA buffer (where device_buffers, its stream synchronized by the caller) as it is.
+        arr = buf if hasattr(buf, "__cuda_array_interface__") else np.ascontiguousarray(buf, dtype=np.float64)
+        return arr, self.comm.Iallreduce(self._mpi.IN_PLACE, arr, op=self._mpi.SUM)
 
     def start_gather(self, row):
         table = np.empty((self.size, row.size), dtype=row.dtype)

@@ -34,7 +34,7 @@ class ThreadComm(comm.Communicator):
     def start(self, buf, name):
         with self.shared["lock"]:
             slots = self.shared.setdefault(self.calls, {})
-            slots[self.rank] = np.array(np.asarray(buf), dtype=np.float64)  # numpy, or a CPU tensor
+            slots[self.rank] = np.array(buf, dtype=np.float64)
         self.calls += 1
         return self.calls - 1
 

@@ -12,8 +12,8 @@ traces whole under ``torch.compile(fullgraph=True)``. The summing allreduce is:
   around :func:`hvd_syncbn.comm.allreduce`, which keeps the step-counted header, the
   deadline and the diagnosis at run time. CUDA buffers go to the transport as they are
   where it reads device memory (Horovod built with GPU support, NCCL where built so;
-  CUDA-aware MPI), else through one pinned host copy (:func:`joiner`): one wait for the
-  device per collective.
+  CUDA-aware MPI; :func:`joiner`), else through one copy into pinned host memory: one
+  wait for the device per collective.
 
 Checks that would need a host read (a global batch of one row, ``check_finite``, the
 static header) set flags in the layer's ``_sync_errors`` buffer instead; the running
@@ -160,30 +160,32 @@ def _allreduce(buf: Tensor, comm: int, layer: str, direction: str, channels: int
     c = _comms[comm]
     call = transport.make_call(c, layer, direction, channels, ndim, dtype)
     timeout = transport.get_timeout() + (compile_timeout() if call.step == 0 else 0.0)
-    out = transport.allreduce(c, buf.detach(), call, timeout, join=joiner(c, buf.device))
-    return torch.as_tensor(out).to(buf.device, non_blocking=True)  # staged: from pinned memory, no wait
+    join = joiner(c, buf.device)
+    payload = buf.detach()
+    if join is transport.prepend:  # host memory: a CUDA buffer crosses once, into pinned memory
+        payload = payload.to("cpu", non_blocking=True)
+        if buf.is_cuda:
+            torch.cuda.current_stream(buf.device).synchronize()
+        payload = payload.numpy()
+    out = transport.allreduce(c, payload, call, timeout, join=join)
+    return torch.as_tensor(out).to(buf.device, non_blocking=True)
 
 
 def joiner(comm: transport.Communicator, device: torch.device) -> transport.Join:
-    """``join`` for :func:`hvd_syncbn.comm.allreduce` of buffers on ``device`` over the
-    custom op's ``comm``: a tensor the transport takes, ready for it.
+    """How the custom op's buffers on ``device`` reach ``comm``: CUDA buffers as they are
+    where the transport reads device memory (``comm.device_buffers``: Horovod built with
+    GPU support, CUDA-aware MPI), after the collective's one wait for the device (the
+    transport reads from the host's side); anything else as numpy
+    (:func:`hvd_syncbn.comm.prepend`)."""
+    if device.type != "cuda" or not comm.device_buffers:
+        return transport.prepend
 
-    A CUDA buffer crosses as it is where ``comm.device_buffers`` (CUDA-aware MPI, Horovod
-    built with GPU support), else through one pinned host copy; either way after the one
-    wait for the device of the collective (the transport reads the buffer from the host's
-    side). A CPU buffer crosses as it is."""
     def join(head: List[float], payload) -> Tensor:
-        payload = torch.as_tensor(payload, dtype=torch.float64, device=device)
-        if device.type != "cuda":
-            return torch.cat([payload.new_tensor(head), payload])
-        staged = not comm.device_buffers
         head_t = torch.tensor(head, dtype=torch.float64, pin_memory=True)
-        buf = torch.empty(transport.HEADER + payload.numel(), dtype=torch.float64,
-                          device="cpu" if staged else device, pin_memory=staged)
-        buf[:transport.HEADER].copy_(head_t, non_blocking=True)
-        buf[transport.HEADER:].copy_(payload, non_blocking=True)
+        payload = torch.as_tensor(payload, dtype=torch.float64, device=device)  # poison's are numpy zeros
+        out = torch.cat([head_t.to(device, non_blocking=True), payload])
         torch.cuda.current_stream(device).synchronize()
-        return buf
+        return out
 
     return join
 
