@@ -89,8 +89,10 @@ def expected(sizes):
     return _expected[key]
 
 
-# inductor around the custom op runs over mpi; horovod changes only the op's transport.
-MODES = ["eager-host", "eager-device", "aot_eager"] + (["inductor"] if COMM != "horovod" else [])
+# aot_eager first: its first step builds the transport (over torch, the private group)
+# while Dynamo traces. inductor around the custom op runs over mpi; horovod changes only
+# the op's transport.
+MODES = ["aot_eager", "eager-host", "eager-device"] + (["inductor"] if COMM != "horovod" else [])
 
 
 def transport_of(model) -> str:
