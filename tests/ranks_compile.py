@@ -186,8 +186,11 @@ if COMM == "mpi":
         info = subprocess.run(["ompi_info", "--parsable", "--all"], capture_output=True, text=True, check=True)
         built = "mpi_built_with_cuda_support:value:true" in info.stdout
         assert "mpi_built_with_cuda_support:value:" in info.stdout
+        import ctypes
+
         from hvd_syncbn import transports
 
+        assert hasattr(ctypes.CDLL(MPI.__file__), "MPIX_Query_cuda_support")  # so the answer is Open MPI's
         assert transports.mpi_reads_cuda() is built
         assert SyncBatchNorm(4, name="cuda.bn")._comm().device_buffers is built
 
