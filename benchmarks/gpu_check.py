@@ -11,10 +11,13 @@ Checks, each a row of the table:
 2. ``torch.cuda.set_sync_debug_mode("error")`` over 3 training steps of a converted
    ResNet-50: no host sync;
 3. a CUDA-graph capture and replay of a training step, against the same step eager;
-4. 2 processes sharing the device, against one process running plain BN on the
-   concatenated batch: over Gloo, and (where mpirun and mpi4py are) under mpirun over the
-   private group (NCCL) and with the custom op over MPI (staged through pinned host
-   memory; as it is where MPI is CUDA-aware) and over Horovod (where installed).
+4. 2 processes (sharing the GPU where there is one), against one process running plain
+   BN on the concatenated batch: over Gloo, and (where mpirun and mpi4py are) under
+   mpirun over the private group (NCCL, which needs a GPU per rank) and with the custom
+   op over MPI (staged through pinned host memory; as it is where MPI is CUDA-aware) and
+   over Horovod (where installed);
+5. the private group at 1 rank, bootstrapped over a singleton MPI, its NCCL carrying a
+   step, against plain BN (where 2 ranks cannot share a GPU over NCCL, its only check).
 
 The layers get the 1-rank group's communicator directly: alone, ``SyncBatchNorm`` would
 be plain BN and make no collective.
@@ -173,15 +176,19 @@ def cuda_graph(device) -> None:
     row("CUDA graph", "capture + replay of a step", result)
 
 
-def _one_rank(rank: int, device_type: str, out: str) -> None:
-    """Rank ``rank`` of 2: one device-path step on its share (3 + 2 rows), saved to ``out.rank``."""
-    device = torch.device(device_type)
+def _one_rank(rank: int, device_type: str, out: str, world: int = 2) -> None:
+    """Rank ``rank`` of ``world`` (2, or 1: all 5 rows): one device-path step on its share
+    (3 + 2 rows), saved to ``out.rank``; on CUDA each rank on a GPU of its own where there are 2."""
+    device = torch.device(device_type, rank % torch.cuda.device_count()) if device_type == "cuda" else \
+        torch.device(device_type)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
     torch.manual_seed(0)
     model = convert_sync_batchnorm(nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU())).to(device)
     model[1].stats = "device"  # the device path on the CPU too (the dry run)
     torch.manual_seed(1)
     x = torch.randn(5, 3, 12, 12)
-    mine = x[:3] if rank == 0 else x[3:]
+    mine = x if world == 1 else x[:3] if rank == 0 else x[3:]
     y = model(mine.to(device))
     y.square().sum().backward()
     torch.save(dict(y=y.detach().cpu(), grad=model[0].weight.grad.cpu(), mean=model[1].running_mean.cpu()),
@@ -199,7 +206,7 @@ def two_processes(device) -> None:
         init = f"file://{tmp}/init"
         mp.spawn(_two_ranks, args=(init, device.type, f"{tmp}/out"), nprocs=2)
         got = [torch.load(f"{tmp}/out.{r}") for r in range(2)]
-    compare(got, "2 processes, 1 device", f"gloo, {device.type} tensors, 3+2 rows")
+    compare(got, "2 processes, spawned", f"gloo, {device.type} tensors, 3+2 rows")
 
 
 def under_mpirun(device) -> None:
@@ -210,15 +217,26 @@ def under_mpirun(device) -> None:
     if mpirun is None or importlib.util.find_spec("mpi4py") is None:
         row("2 processes, mpirun", "mpirun", "skipped: no mpirun or mpi4py here")
         return
-    runs = [("torch", "", f"private group over MPI ({'NCCL' if device.type == 'cuda' else 'Gloo'})"),
-            ("mpi", "0", "MPI, staged" if device.type == "cuda" else "MPI")]
-    if device.type == "cuda" and _under_mpirun(mpirun, "-c", "from hvd_syncbn import transports; "
-                                               "assert transports.mpi_reads_cuda()").returncode == 0:
-        runs.append(("mpi", "1", "MPI, CUDA-aware"))
+    cuda = device.type == "cuda"
+    one_gpu = cuda and torch.cuda.device_count() < 2  # NCCL refuses two ranks on one GPU
+    runs = [("torch", "", f"private group over MPI ({'NCCL' if cuda else 'Gloo'})", one_gpu),
+            ("mpi", "0", "MPI, staged" if cuda else "MPI", False)]
+    if cuda and _under_mpirun(mpirun, "-c", "from hvd_syncbn import transports; "
+                              "assert transports.mpi_reads_cuda()").returncode == 0:
+        runs.append(("mpi", "1", "MPI, CUDA-aware", False))
     if importlib.util.find_spec("horovod") is not None:
-        runs.append(("horovod", "", "Horovod"))
-    for comm, cuda_aware, label in runs:
+        try:
+            import horovod.torch as hvd
+
+            nccl = cuda and bool(hvd.nccl_built())
+        except Exception:  # noqa: BLE001 - the run below reports it
+            nccl = False
+        runs.append(("horovod", "", f"Horovod{' (NCCL)' if nccl else ''}", one_gpu and nccl))
+    for comm, cuda_aware, label, needs_two_gpus in runs:
         setting = f"{label}, {device.type} tensors, 3+2 rows"
+        if needs_two_gpus:
+            row("2 processes, mpirun", setting, "not run: NCCL needs a GPU per rank, 1 here")
+            continue
         with tempfile.TemporaryDirectory() as tmp:
             try:
                 done = _under_mpirun(mpirun, __file__, "--rank-of-2", device.type, f"{tmp}/out",
@@ -230,6 +248,24 @@ def under_mpirun(device) -> None:
                 row("2 processes, mpirun", setting, f"FAILED: {' '.join(why)[:80]}")
                 continue
             compare([torch.load(f"{tmp}/out.{r}") for r in range(2)], "2 processes, mpirun", setting)
+
+
+def private_group_alone(device) -> None:
+    """The private group at 1 rank, bootstrapped over MPI (a singleton, no mpirun), its
+    NCCL (Gloo in the dry run) carrying a step: equal to plain BN on the same batch. Runs
+    where 2 ranks cannot share a GPU over NCCL."""
+    if importlib.util.find_spec("mpi4py") is None:
+        row("private group, 1 rank", "over MPI", "skipped: no mpi4py here")
+        return
+    from hvd_syncbn.torch.comm import private_comm
+    from hvd_syncbn.transports import MpiCommunicator
+
+    comm = private_comm(MpiCommunicator())
+    force(comm)
+    backend = "NCCL" if device.type == "cuda" else "Gloo"
+    with tempfile.TemporaryDirectory() as tmp:
+        _one_rank(0, device.type, f"{tmp}/out", world=1)
+        compare([torch.load(f"{tmp}/out.0")], "private group, 1 rank", f"over MPI ({backend}), {device.type} tensors")
 
 
 def _under_mpirun(mpirun: str, *args: str, **settings: str) -> subprocess.CompletedProcess:
@@ -294,6 +330,7 @@ def main() -> None:
         dist.destroy_process_group()
     two_processes(device)
     under_mpirun(device)
+    private_group_alone(device)  # last: it sets every layer's communicator
     print(f"\n| check | setting | result |\n|---|---|---|")
     for r in ROWS:
         print(f"| {' | '.join(r)} |")
