@@ -221,8 +221,7 @@ def under_mpirun(device) -> None:
     one_gpu = cuda and torch.cuda.device_count() < 2  # NCCL refuses two ranks on one GPU
     runs = [("torch", "", f"private group over MPI ({'NCCL' if cuda else 'Gloo'})", one_gpu),
             ("mpi", "0", "MPI, staged" if cuda else "MPI", False)]
-    if cuda and _under_mpirun(mpirun, "-c", "from hvd_syncbn import transports; "
-                              "assert transports.mpi_reads_cuda()").returncode == 0:
+    if cuda and _mpi_reads_cuda(mpirun):
         runs.append(("mpi", "1", "MPI, CUDA-aware", False))
     if importlib.util.find_spec("horovod") is not None:
         try:
@@ -250,6 +249,15 @@ def under_mpirun(device) -> None:
             compare([torch.load(f"{tmp}/out.{r}") for r in range(2)], "2 processes, mpirun", setting)
 
 
+def _mpi_reads_cuda(mpirun: str) -> bool:
+    """What ``transports.mpi_reads_cuda`` says under mpirun (no answer in time: no)."""
+    try:
+        return _under_mpirun(mpirun, "-c", "from hvd_syncbn import transports; "
+                             "assert transports.mpi_reads_cuda()").returncode == 0
+    except subprocess.TimeoutExpired:
+        return False
+
+
 def private_group_alone(device) -> None:
     """The private group at 1 rank, bootstrapped over MPI (a singleton, no mpirun), its
     NCCL (Gloo in the dry run) carrying a step: equal to plain BN on the same batch. Runs
@@ -260,12 +268,15 @@ def private_group_alone(device) -> None:
     from hvd_syncbn.torch.comm import private_comm
     from hvd_syncbn.transports import MpiCommunicator
 
-    comm = private_comm(MpiCommunicator())
-    force(comm)
-    backend = "NCCL" if device.type == "cuda" else "Gloo"
+    setting = f"over MPI ({'NCCL' if device.type == 'cuda' else 'Gloo'}), {device.type} tensors"
     with tempfile.TemporaryDirectory() as tmp:
-        _one_rank(0, device.type, f"{tmp}/out", world=1)
-        compare([torch.load(f"{tmp}/out.0")], "private group, 1 rank", f"over MPI ({backend}), {device.type} tensors")
+        try:  # in this process: a failure is a row, not the loss of the table
+            force(private_comm(MpiCommunicator()))
+            _one_rank(0, device.type, f"{tmp}/out", world=1)
+        except Exception as e:  # noqa: BLE001 - reported in the table
+            row("private group, 1 rank", setting, f"FAILED: {type(e).__name__}: {str(e)[:60]}")
+            return
+        compare([torch.load(f"{tmp}/out.0")], "private group, 1 rank", setting)
 
 
 def _under_mpirun(mpirun: str, *args: str, **settings: str) -> subprocess.CompletedProcess:
