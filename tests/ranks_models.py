@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hvd_syncbn.torch import SyncBatchNorm, SyncBatchNormAct2d, convert_sync_batchnorm, revert_sync_batchnorm
-from oracle import assert_close, global_batch, shard_sizes, shard_slice
+from oracle import assert_as_accurate, assert_close, global_batch, shard_sizes, shard_slice
 from vision import import_vision
 
 hvd = pytest.importorskip("horovod.torch")
@@ -42,8 +42,9 @@ def segmentation(name):
 
 # name: (builder, BN class after conversion, dtype of the converted model); images are
 # 64x64, and the first four models hold timm's BatchNormAct2d. deeplabv3 trains in
-# float64: its ASPP pooling branch normalises one value per image (5 per channel), and
-# there float32 gradients, plain BN's as ours, are 2% off float64 after one step.
+# float64: its ASPP pooling branch normalises one value per image (5 per channel), where
+# float32 gradients, plain BN's as ours, are 2% off float64 after one step; in float32,
+# local BN on the shards would be only 2.5-4x further off than plain BN (measured).
 MODELS = {
     "timm-efficientnet_b0": (timm_model("efficientnet_b0"), SyncBatchNormAct2d, torch.float32),
     "timm-mobilenetv3_small_100": (timm_model("mobilenetv3_small_100"), SyncBatchNormAct2d, torch.float32),
@@ -85,34 +86,40 @@ def test_converted_model_trains_like_one_process(name):
     assert len(bn_classes(sync)) == len(classes)
     assert list(sync.state_dict()) == list(plain.state_dict()), "state_dict keys changed"
     sync.load_state_dict(plain.state_dict())  # a checkpoint of the original loads
-    # Across ranks the reference runs in float64: plain float32 BN on CPU is itself ~1e-3
-    # off in some gradients (cspresnet50's, against float64), the synchronized layers ~1e-5.
-    # Alone, the converted layers are plain BN: the reference is the same model as it is.
+    # Alone, the converted layers are plain BN: the reference is the same model as it is,
+    # and the results are equal. Across ranks the reference is plain BN in float64, and
+    # ours must be as close to it as plain BN in float32 is (assert_as_accurate): an
+    # element-wise tolerance cannot tell a wrong statistic from float32's own noise in
+    # these nets (plain float32 BN is up to 1e-3 off float64 in cspresnet50's gradients).
+    plain32 = copy.deepcopy(plain).float() if WORLD > 1 else None
     plain.to(torch.float64 if WORLD > 1 else dtype), sync.to(dtype)
 
     sizes = shard_sizes(SHARDS, WORLD)
     mine, total = shard_slice(sizes, RANK), sum(sizes)
-    opt_plain = torch.optim.SGD(plain.parameters(), lr=0.005, momentum=0.9)
-    opt = hvd.DistributedOptimizer(torch.optim.SGD(sync.parameters(), lr=0.005, momentum=0.9),
-                                   named_parameters=sync.named_parameters(), op=hvd.Sum)
-    tol = dict(rtol=2e-3, atol=2e-5) if WORLD > 1 else dict(rtol=0.0, atol=0.0)  # alone: the same computation
+    runs = [(model, torch.optim.SGD(model.parameters(), lr=0.005, momentum=0.9), slice(None))
+            for model in (plain, plain32) if model is not None]
+    runs.append((sync, hvd.DistributedOptimizer(torch.optim.SGD(sync.parameters(), lr=0.005, momentum=0.9),
+                                                named_parameters=sync.named_parameters(), op=hvd.Sum), mine))
+    losses = [{} for _ in runs]  # per run: {"step 0": loss, ...}
     for step in range(2):
         x_all = torch.from_numpy(global_batch(60 + step, total, (3, SIZE, SIZE)))
         per_image = (SIZE, SIZE) if name.startswith("torchvision") else ()  # segmentation: a class per pixel
         labels = torch.randint(0, 3, (total, *per_image), generator=torch.Generator().manual_seed(step))
-        losses = []
-        for model, optim, rows in ((plain, opt_plain, slice(None)), (sync, opt, mine)):
+        for (model, optim, rows), loss_of in zip(runs, losses):
             optim.zero_grad()
             # this rank's share of the global mean loss; the optimizer sums the shares
             x = x_all[rows].to(next(model.parameters()).dtype)
             loss = F.cross_entropy(logits(model, x), labels[rows], reduction="sum") / labels.numel()
             loss.backward()
             optim.step()
-            losses.append(loss.detach())
-        summed = hvd.allreduce(losses[1], op=hvd.Sum, name=f"test.loss.{name}.{step}")
-        assert_close(summed, losses[0], f"{name} loss, step {step}", **tol)
-    for (key, p), q in zip(sync.state_dict().items(), plain.state_dict().values()):
-        assert_close(p, q, f"{name} {key} after 2 SGD steps, rank {RANK} of {sizes}", **tol)
+            loss_of[f"step {step}"] = loss.detach()
+        ours = losses[-1]
+        ours[f"step {step}"] = hvd.allreduce(ours[f"step {step}"], op=hvd.Sum, name=f"test.loss.{name}.{step}")
+    # losses[-2]: plain float32's, or alone plain's, as state32
+    state32 = (plain if plain32 is None else plain32).state_dict()
+    assert_as_accurate(losses[-1], losses[-2], losses[0], f"{name} loss", alone=WORLD == 1)
+    assert_as_accurate(sync.state_dict(), state32, plain.state_dict(), f"{name} after 2 SGD steps, rank {RANK} of "
+                       f"{sizes}", alone=WORLD == 1)
 
     state = {k: v.clone() for k, v in sync.state_dict().items()}
     revert_sync_batchnorm(sync)
