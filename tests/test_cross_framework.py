@@ -6,7 +6,7 @@ import sys
 import numpy as np
 import pytest
 
-from oracle import UNEQUAL, global_batch, shard_sizes
+from oracle import UNEQUAL, assert_close, global_batch, shard_sizes
 from test_launch import BIN, ROOT, TIMEOUT_S, clean_env
 
 
@@ -23,7 +23,6 @@ def test_torch_and_tf_agree_on_global_mean_and_variance(tmp_path, np_):
         stats[framework] = np.load(out)
     x = global_batch(5, sum(shard_sizes(UNEQUAL, np_)), (6, 4, 4), offset=3.0, scale=2.0).astype(np.float64)
     want = np.stack([x.mean(axis=(0, 2, 3)), x.var(axis=(0, 2, 3))])
-    rel = np.abs(stats["torch"] - stats["tf"]) / np.abs(stats["tf"])
-    assert rel.max() <= 1e-6, f"torch vs tf: largest relative difference {rel.max():.3g}"
+    assert_close(stats["torch"], stats["tf"], "torch vs tf", rtol=1e-6, atol=0.0)
     for framework, got in stats.items():
-        assert np.abs(got - want).max() / np.abs(want).max() <= 1e-6, f"{framework} vs float64: {got} != {want}"
+        assert_close(got, want, f"{framework} vs float64", rtol=0.0, atol=1e-6 * np.abs(want).max())
