@@ -8,6 +8,7 @@ in float64 (Keras's float32 variance, ``E[x²] − E[x]²``, is itself off by ~1
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -382,8 +383,26 @@ OPTIMIZERS = {
 }
 
 
+@contextlib.contextmanager
+def gpu_listed():
+    """``tf.config`` lists a GPU besides the CPUs, as on a GPU machine, where Keras 3's
+    default ``jit_compile="auto"`` compiles the train step with XLA (for every model whose
+    layers all support it, when no ``tf.distribute`` strategy is in use)."""
+    real = tf.config.list_physical_devices
+    gpu = tf.config.PhysicalDevice("/physical_device:GPU:0", "GPU")
+
+    def listed(device_type=None):
+        return real(device_type) + ([gpu] if device_type in (None, "GPU") else [])
+
+    tf.config.list_physical_devices = listed
+    try:
+        yield
+    finally:
+        tf.config.list_physical_devices = real
+
+
 def fit_like_one_process(make_model, make_opt, tail, classes, per_rank=2, steps=3, as_accurate_as_float32=False,
-                         pattern=None):
+                         pattern=None, on_gpu_host=False):
     """``model.fit`` on this rank's slices == one process fitting the whole batches
     (plain Keras BN, in float64: Keras's float32 variance is itself off by ~1e-5).
 
@@ -393,6 +412,8 @@ def fit_like_one_process(make_model, make_opt, tail, classes, per_rank=2, steps=
     top of plain's rounding, ours averages float32 gradients over the ranks. Measured on
     MobileNetV2 with the default k=4: 0.30 of the bound used at 1-3 ranks, 0.80 at 4 (16
     rows, where plain float32 is more accurate); local BN on the shards, 28x over it.
+
+    ``on_gpu_host``: ``compile()`` with its defaults while a GPU is listed.
     """
     keras.utils.set_random_seed(0)
     sync = convert_sync_batchnorm(make_model())
@@ -411,13 +432,16 @@ def fit_like_one_process(make_model, make_opt, tail, classes, per_rank=2, steps=
     x_all = global_batch(30, rows * steps, tail)
     y_all = global_batch(31, rows * steps, (classes,))
     mine = np.concatenate([np.arange(s * rows + part.start, s * rows + part.stop) for s in range(steps)])
-    if pattern is None:  # equal shards: the default per-rank average is exact
-        sync.compile(optimizer=DistributedOptimizer(make_opt()), loss="mse")
-    else:  # unequal shards: sum the gradients of each rank's share of the global mean loss
-        def share_of_global_mse(y, p):
-            return tf.reduce_sum(tf.square(y - p)) / (rows * classes)
+    with gpu_listed() if on_gpu_host else contextlib.nullcontext():
+        if pattern is None:  # equal shards: the default per-rank average is exact
+            sync.compile(optimizer=DistributedOptimizer(make_opt()), loss="mse")
+        else:  # unequal shards: sum the gradients of each rank's share of the global mean loss
+            def share_of_global_mse(y, p):
+                return tf.reduce_sum(tf.square(y - p)) / (rows * classes)
 
-        sync.compile(optimizer=DistributedOptimizer(make_opt(), op=hvd.Sum), loss=share_of_global_mse)
+            sync.compile(optimizer=DistributedOptimizer(make_opt(), op=hvd.Sum), loss=share_of_global_mse)
+    if on_gpu_host:
+        assert sync.jit_compile is False, "Keras chose XLA for a model with SyncBatchNormalization"
     hist = sync.fit(x_all[mine], y_all[mine], batch_size=max(sizes[RANK], 1), shuffle=False, verbose=0,
                     callbacks=[BroadcastGlobalVariablesCallback(0), MetricAverageCallback()])
     for model in references.values():
@@ -436,6 +460,37 @@ def fit_like_one_process(make_model, make_opt, tail, classes, per_rank=2, steps=
 
 def test_model_fit_with_unequal_shards_and_op_sum_matches_one_process():
     fit_like_one_process(small_model, OPTIMIZERS["sgd"], (8, 8, 3), 4, pattern=UNEQUAL)
+
+
+def test_default_compile_on_a_gpu_machine_fits_like_one_process():
+    """Where a GPU is listed Keras picks XLA by default, which cannot run our host-side
+    statistics: the layer says it does not support XLA, so Keras trains without it."""
+    fit_like_one_process(small_model, OPTIMIZERS["sgd"], (8, 8, 3), 4, pattern=UNEQUAL, on_gpu_host=True)
+
+
+def test_distributed_optimizer_under_xla_says_to_turn_it_off():
+    """Plain Keras layers on a GPU machine: Keras picks XLA, where Horovod's allreduce has
+    no kernel; every rank raises (while tracing, before any collective) what to do."""
+    model = small_model()
+    with gpu_listed():
+        model.compile(optimizer=DistributedOptimizer(keras.optimizers.SGD(0.1)), loss="mse")
+    assert model.jit_compile is True, "a listed GPU no longer turns XLA on: this test no longer tests it"
+    x, y = global_batch(40, 4, (8, 8, 3)), global_batch(41, 4, (4,))
+    with pytest.raises(ValueError, match=r"DistributedOptimizer cannot run inside XLA yet \(expected "
+                                         r"jit_compile=False.*pass jit_compile=False to model\.compile\(\)"):
+        model.fit(x, y, verbose=0)
+
+
+def test_layer_under_xla_says_to_turn_it_off():
+    """An explicit jit_compile=True: Keras's compile falls back with its own warning; a
+    tf.function(jit_compile=True) of the user's own raises ours, naming the layer."""
+    model = small_model(SyncBatchNormalization)
+    with pytest.warns(UserWarning, match="Model doesn't support `jit_compile=True`"):
+        model.compile(optimizer="sgd", loss="mse", jit_compile=True)
+    assert model.jit_compile is False
+    step = tf.function(lambda x: model(x, training=True), jit_compile=True)
+    with pytest.raises(ValueError, match=r"SyncBatchNormalization 'stem_bn' cannot run inside XLA yet"):
+        step(global_batch(42, 2, (8, 8, 3)))
 
 
 @pytest.mark.parametrize("opt", OPTIMIZERS)

@@ -29,6 +29,11 @@ class SyncBatchNormalization(keras.layers.BatchNormalization):
     does; an empty one leaves the moving statistics alone. Moving statistics follow Keras:
     ``moving = moving·momentum + batch·(1 − momentum)``, with the biased variance.
 
+    The statistics cross ranks on the host, which XLA cannot compile: the layer sets
+    ``supports_jit = False``, so Keras's default ``jit_compile="auto"`` (XLA where a GPU
+    is listed) trains without XLA, and inside a ``tf.function(jit_compile=True)`` it
+    raises ``ValueError`` saying to pass ``jit_compile=False``.
+
     Args:
         axis: the channel axis, or a list of axes (their sizes form the channels).
             Default: -1.
@@ -77,6 +82,9 @@ class SyncBatchNormalization(keras.layers.BatchNormalization):
         self.comm = comm
         self.check_finite = bool(check_finite)
         transports.requested_kind(comm)
+        # The statistics cross on the host, which XLA cannot compile: Keras's default
+        # jit_compile="auto" (XLA where a GPU is listed) then resolves to False.
+        self.supports_jit = False
 
     def build(self, input_shape):
         ndim = len(input_shape)

@@ -14,6 +14,7 @@ from typing import Any, Optional
 
 import numpy as np
 import tensorflow as tf
+from tensorflow.python.ops import control_flow_util
 
 from hvd_syncbn import comm as base
 from hvd_syncbn import transports
@@ -92,6 +93,18 @@ def horovod(what: str) -> Any:
         raise ImportError(f"{what} needs Horovod (horovod.tensorflow), which is not installed here; "
                           "launch/install.sh builds it")
     return hvd
+
+
+def refuse_xla(what: str) -> None:
+    """Raise while ``what`` is traced for XLA (``jit_compile=True``): its collectives run
+    on the host (``tf.numpy_function``, Horovod's ops), which XLA cannot compile. Checked
+    at every world size, so that one rank fails as eight would. (TF has no public test
+    for an XLA trace; ``tf.function`` marks one with this context.)"""
+    if control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph()):
+        raise ValueError(
+            f"{what} cannot run inside XLA yet (expected jit_compile=False, got a function compiled with "
+            "jit_compile=True): its collectives run on the host. Keras 3 turns XLA on by default where a GPU is "
+            "listed; pass jit_compile=False to model.compile() or tf.function()")
 
 
 def resolve_process_set(process_set: Any) -> Any:

@@ -219,6 +219,7 @@ def _sync_normalize(
     Raises (as ``InvalidArgumentError`` in graphs) on a global batch of one row and, with
     ``check_finite``, on non-finite statistics, before anything downstream runs.
     """
+    tf_comm.refuse_xla(f"SyncBatchNormalization {name!r}")
     channels = int(np.prod([d or -1 for a, d in enumerate(xs[0].shape) if a not in axes]))
     allreduce = _allreduce_sum(tf_comm.resolve(comm, process_set, name), name, xs[0], channels)
     parts = len(xs)

@@ -16,7 +16,7 @@ from typing import Any
 import keras
 import tensorflow as tf
 
-from .comm import horovod, resolve_process_set
+from .comm import horovod, refuse_xla, resolve_process_set
 
 
 def DistributedOptimizer(optimizer: keras.optimizers.Optimizer, op: Any = None,
@@ -31,6 +31,11 @@ def DistributedOptimizer(optimizer: keras.optimizers.Optimizer, op: Any = None,
     averaging per rank over-weights the small ones; use ``op=hvd.Sum`` with a loss that
     is this rank's share of the global mean (its rows' summed loss divided by the
     *global* row count), and the sum is exactly the one-process gradient.
+
+    Horovod's allreduce has no XLA kernel: where Keras compiles the train step with XLA
+    (by default on a machine with a GPU, unless a layer such as SyncBatchNormalization
+    opts out), the first step raises ``ValueError``; pass ``jit_compile=False`` to
+    ``model.compile()``.
 
     For ``mixed_float16``, wrap the loss-scale optimizer, not the other way round:
     ``DistributedOptimizer(keras.optimizers.LossScaleOptimizer(opt))`` reduces the scaled
@@ -64,6 +69,7 @@ def DistributedOptimizer(optimizer: keras.optimizers.Optimizer, op: Any = None,
 
 
 def _allreduce_grads(grads, op, process_set):
+    refuse_xla("DistributedOptimizer")
     hvd, ps = horovod("DistributedOptimizer"), resolve_process_set(process_set)
     if ps.size() == 1:
         return grads
