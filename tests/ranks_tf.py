@@ -13,6 +13,7 @@ import json
 import os
 import subprocess
 import sys
+from unittest import mock
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
@@ -397,22 +398,17 @@ OPTIMIZERS = {
 }
 
 
-@contextlib.contextmanager
 def gpu_listed():
-    """``tf.config`` lists a GPU besides the CPUs, as on a GPU machine, where Keras 3's
-    default ``jit_compile="auto"`` compiles the train step with XLA (for every model whose
-    layers all support it, when no ``tf.distribute`` strategy is in use)."""
+    """While in effect ``tf.config`` lists a GPU besides the CPUs, as on a GPU machine,
+    where Keras 3's default ``jit_compile="auto"`` compiles the train step with XLA (for
+    every model whose layers all support it, when no ``tf.distribute`` strategy is in use)."""
     real = tf.config.list_physical_devices
     gpu = tf.config.PhysicalDevice("/physical_device:GPU:0", "GPU")
 
     def listed(device_type=None):
         return real(device_type) + ([gpu] if device_type in (None, "GPU") else [])
 
-    tf.config.list_physical_devices = listed
-    try:
-        yield
-    finally:
-        tf.config.list_physical_devices = real
+    return mock.patch.object(tf.config, "list_physical_devices", listed)
 
 
 def fit_like_one_process(make_model, make_opt, tail, classes, per_rank=2, steps=3, as_accurate_as_float32=False,

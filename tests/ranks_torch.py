@@ -85,9 +85,9 @@ def trained(layer, x, r, rows, name, ps=None):
     out = {"output": y.detach()[rows], "input grad": x.grad[rows]}
     for param in ("weight", "bias"):
         p = getattr(layer, param)
-        if p is not None:
-            summed = None if ps is None else allreduce_sum(p.grad.float(), f"{name}.{param}", ps).to(p.dtype)
-            out[f"{param} grad"] = p.grad if ps is None else summed  # (Horovod sums no bfloat16)
+        if p is not None:  # (Horovod sums no bfloat16, hence the float32 round trip)
+            out[f"{param} grad"] = p.grad if ps is None else allreduce_sum(
+                p.grad.float(), f"{name}.{param}", ps).to(p.dtype)
             p.grad = None
     for buffer in ("running_mean", "running_var", "num_batches_tracked"):
         if getattr(layer, buffer) is not None:
