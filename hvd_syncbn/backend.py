@@ -29,7 +29,7 @@ moments must be those of :func:`local_moments`.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional, Protocol, Sequence, Tuple
+from typing import Any, Callable, NamedTuple, Optional, Protocol, Sequence, Tuple
 
 import numpy as np
 
@@ -61,8 +61,14 @@ class ArrayOps(Protocol):
     def any(self, x: Tensor) -> Any:
         """Whether any element of the boolean ``x`` is true (a scalar of the framework)."""
 
-    def keep(self, x: Tensor, where: Tensor) -> Tensor:
-        """``x`` where the boolean ``where`` (same shape) holds, else 0 (NaN included)."""
+    def where(self, cond: Tensor, a: Tensor, b: Any) -> Tensor:
+        """``a`` where the boolean ``cond`` holds, else ``b`` (NaN in ``a`` included)."""
+
+    def rsqrt(self, x: Tensor) -> Tensor:
+        """``1/√x`` element-wise."""
+
+    def all_finite(self, x: Tensor) -> Any:
+        """Whether every element of ``x`` is finite (a boolean scalar of the framework)."""
 
 
 class NumpyOps:
@@ -72,10 +78,15 @@ class NumpyOps:
     maximum = staticmethod(np.maximum)
     any = staticmethod(np.any)
     flat = staticmethod(np.ravel)
+    where = staticmethod(np.where)
 
     @staticmethod
-    def keep(x: np.ndarray, where: np.ndarray) -> np.ndarray:
-        return np.where(where, x, 0.0)
+    def rsqrt(x: np.ndarray) -> np.ndarray:
+        return 1.0 / np.sqrt(x)
+
+    @staticmethod
+    def all_finite(x: np.ndarray) -> np.bool_:
+        return np.isfinite(x).all()
 
     @staticmethod
     def wide(x: np.ndarray) -> np.ndarray:
@@ -116,8 +127,8 @@ def local_moments(xp: ArrayOps, x: Tensor, axes: Sequence[int],
     count = xp.rows(x, axes) if weights is None else xp.flat(xp.sum(xp.wide(weights), axes))[:1]
     safe = xp.maximum(count, 1.0)
     kept = None if weights is None else weights > 0
-    mean = xp.sum(x if kept is None else xp.keep(x, kept), axes) / safe
-    centred = x - mean if kept is None else xp.keep(x - mean, kept)  # a masked NaN stays out
+    mean = xp.sum(x if kept is None else xp.where(kept, x, 0.0), axes) / safe
+    centred = x - mean if kept is None else xp.where(kept, x - mean, 0.0)  # a masked NaN stays out
     return count, xp.flat(mean), xp.flat(xp.sum(centred * centred, axes) / safe)
 
 
@@ -216,10 +227,128 @@ def unbiased(var: Tensor, count: Tensor) -> Tensor:
     return var * (count / (count - 1))
 
 
-def ema(old: Tensor, new: Tensor, keep: float) -> Tensor:
-    """Moving average with ``keep`` the weight on the old value (Keras's ``momentum``;
-    PyTorch's ``momentum`` is ``1 − keep``)."""
-    return old * keep + new * (1.0 - keep)
+def ema(old: Tensor, new: Tensor, old_weight: Any) -> Tensor:
+    """Moving average with ``old_weight`` the weight on the old value (Keras's ``momentum``;
+    PyTorch's ``momentum`` is ``1 − old_weight``)."""
+    return old * old_weight + new * (1.0 - old_weight)
+
+
+class Kernels(Protocol):
+    """One framework path's passes over the data, the statistics bound to a layout and
+    ``eps``. ``stats`` is what :meth:`prepare` makes of the global mean and variance
+    (e.g. tensors in the data's accumulation dtype); per-channel vectors are ``(C,)``."""
+
+    def moments(self, x: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
+        """Local ``(count, mean, var)`` of ``x``, as :func:`local_moments`."""
+
+    def prepare(self, mean: Tensor, var: Tensor) -> Any:
+        """The global statistics in the form the other passes take."""
+
+    def normalize(self, x: Tensor, stats: Any, scale: Optional[Tensor], offset: Optional[Tensor]) -> Tensor:
+        """``scale·x̂ + offset`` with ``x̂ = (x − mean)/√(var + ε)`` (``None``: 1 and 0)."""
+
+    def grad_sums(self, dy: Tensor, x: Tensor, stats: Any) -> Tuple[Tensor, Tensor]:
+        """Local ``(Σdy, Σdy·x̂)`` per channel, float64 in ``xp``."""
+
+    def input_grad(self, dy: Tensor, x: Tensor, stats: Any, k: Tensor, s: Tensor, t: Tensor) -> Tensor:
+        """``k·dy + s·x̂ + t``."""
+
+
+class Checks(Protocol):
+    """How a failed check of the global batch fails: at once (raise) or deferred (a flag
+    for the caller, or a graph assertion)."""
+
+    def require(self, ok: Any, check: str, message: str) -> None:
+        """Fail ``check`` (``"single_row"`` or ``"non_finite"``) with ``message`` unless ``ok``."""
+
+    def after(self, values: Sequence[Tensor]) -> Sequence[Tensor]:
+        """``values``, ordered after the checks (graph frameworks) or as they are."""
+
+
+class RaiseChecks:
+    """:class:`Checks` that raise ``ValueError`` at once (statistics read on the host)."""
+
+    @staticmethod
+    def require(ok: Any, check: str, message: str) -> None:
+        if not ok:
+            raise ValueError(message)
+
+    @staticmethod
+    def after(values: Sequence[Tensor]) -> Sequence[Tensor]:
+        return values
+
+
+RAISE = RaiseChecks()
+
+
+class Step(NamedTuple):
+    """What a framework path hands the driver: its ops, kernels, summing allreduce,
+    check policy, and the layer's ``eps`` and name."""
+
+    xp: ArrayOps
+    kernels: Kernels
+    reduce: AllreduceSum
+    checks: Checks
+    eps: float
+    name: str
+
+
+def forward(step: Step, parts: Sequence[Tensor], scale: Optional[Tensor], offset: Optional[Tensor],
+            check_finite: bool = False, affine: Optional[Callable] = None) -> Tuple[list, Tuple, Any]:
+    """Normalise every part (rows of this process) with the statistics of all parts on
+    every rank: local moments, one allreduce, the checks, normalise.
+
+    ``affine(mean, var) -> (scale, offset)`` replaces the given ones from the global
+    statistics (batch renormalization).
+
+    Returns ``(ys, (count, mean, var), stats)``: the outputs, the global statistics (the
+    variance biased; ``count`` ``(1,)``) and the kernels' prepared statistics, for
+    :func:`backward`.
+    """
+    xp, kernels = step.xp, step.kernels
+    local = [pack_moments(xp, *kernels.moments(x)) for x in parts]
+    total, mean, var = unpack_moments(xp, step.reduce(_add(local), "fwd"))
+    step.checks.require(total[0] != 1, "single_row", single_row_message(step.name))
+    if check_finite:
+        step.checks.require(xp.all_finite(mean) & xp.all_finite(var), "non_finite", non_finite_message(step.name))
+    total, mean, var = step.checks.after([total, mean, var])
+    if affine is not None:
+        scale, offset = affine(mean, var)
+    stats = kernels.prepare(mean, var)
+    return [kernels.normalize(x, stats, scale, offset) for x in parts], (total, mean, var), stats
+
+
+def backward(step: Step, dys: Sequence[Tensor], parts: Sequence[Tensor], count: Tensor, var: Tensor, stats: Any,
+             scale: Optional[Tensor], input_grad: bool = True) -> Tuple[Optional[list], Tensor, Tensor]:
+    """The input gradients with the statistics as constants: local sums, one allreduce,
+    ``dx = k·dy + s·x̂ + t`` (:func:`input_grad_coeffs`). ``scale``: the ``γ`` applied to
+    ``x̂``, float64 in ``xp`` (``None``: 1).
+
+    Returns ``(dxs or None, Σdy, Σdy·x̂)``, the sums over this process's parts (``dβ``
+    and ``dγ``: they stay local).
+    """
+    xp, kernels = step.xp, step.kernels
+    sums = [kernels.grad_sums(dy, x, stats) for dy, x in zip(dys, parts)]
+    sum_dy, sum_dy_xhat = _add([s[0] for s in sums]), _add([s[1] for s in sums])
+    if not input_grad:
+        return None, sum_dy, sum_dy_xhat
+    g_dy, g_dy_xhat = sync_grad_sums(xp, step.reduce, sum_dy, sum_dy_xhat)
+    k, s, t = input_grad_coeffs(xp, count, xp.rsqrt(var + step.eps), scale, g_dy, g_dy_xhat)
+    return [kernels.input_grad(dy, x, stats, k, s, t) for dy, x in zip(dys, parts)], sum_dy, sum_dy_xhat
+
+
+def running_update(xp: ArrayOps, olds: Sequence[Tensor], news: Sequence[Tensor], old_weight: Any,
+                   updated: Any) -> list:
+    """The running-statistics rule: each ``old`` becomes :func:`ema` of it and ``new``
+    where ``updated`` (the global batch had rows and passed its checks), else stays."""
+    return [xp.where(updated, ema(old, new, old_weight), old) for old, new in zip(olds, news)]
+
+
+def _add(terms: Sequence[Tensor]) -> Tensor:
+    total = terms[0]
+    for t in terms[1:]:
+        total = total + t
+    return total
 
 
 def check_input(

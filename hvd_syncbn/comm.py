@@ -62,6 +62,15 @@ def get_timeout() -> float:
     return _timeout if _timeout is not None else env_seconds(TIMEOUT_ENV, 60.0)
 
 
+COMPILE_TIMEOUT_ENV = "HVD_SYNCBN_COMPILE_TIMEOUT"
+
+
+def compile_timeout() -> float:
+    """Seconds a first collective (or a group's set-up) waits beyond the timeout, as a
+    peer may still be compiling: ``$HVD_SYNCBN_COMPILE_TIMEOUT``, else 600."""
+    return env_seconds(COMPILE_TIMEOUT_ENV, 600.0, zero=True)
+
+
 def env_seconds(name: str, default: float, zero: bool = False) -> float:
     """Seconds from the environment variable ``name`` (``default`` if unset): a positive
     number, or 0 too where ``zero``; else ``ValueError`` naming the variable."""
@@ -101,6 +110,9 @@ class Communicator:
     device_buffers = False
     """Whether ``start`` also takes an adapter's CUDA buffers as they are (the transport
     reads device memory); else the adapter copies them to the host."""
+    traceable = False
+    """Whether a compiler can trace its collectives (``torch.distributed``'s functional
+    collectives); else an adapter wraps :func:`allreduce` in an opaque op."""
 
     def start(self, buf: Any, name: str) -> Any:
         """Begin summing ``buf``, a float64 numpy buffer (or a CUDA one, see

@@ -146,7 +146,7 @@ def test_input_grad_matches_finite_differences_across_ranks():
 
 
 def test_running_statistics_helpers():
-    assert backend.ema(np.float64(10.0), np.float64(0.0), keep=0.9) == pytest.approx(9.0)
+    assert backend.ema(np.float64(10.0), np.float64(0.0), old_weight=0.9) == pytest.approx(9.0)
     assert backend.unbiased(np.float64(2.0), np.float64(5.0)) == pytest.approx(2.5)
 
 
@@ -329,12 +329,12 @@ def torch_reference(x):
 @pytest.mark.parametrize("layout, guess", [(layout, None) for layout in TORCH_LAYOUTS]
                          + [(layout, g) for layout in SHIFTED for g in (0.3, 3.0, 300.0)])
 def test_torch_kernel_matches_reference(layout, guess, kind):
-    """The PyTorch layer's ``_local_moments`` in every layout and path. ``guess``: the
+    """The PyTorch layer's ``host_moments`` in every layout and path. ``guess``: the
     mean guess (the layer passes its last global mean) that many standard deviations off
     this batch's mean; ``None``: no guess. (Sums centred on a guess 300 std off would
     lose 5 digits to cancellation: the kernel must notice and centre on the mean.)"""
     torch = pytest.importorskip("torch")
-    from hvd_syncbn.torch.batchnorm import _CENTRED_FROM, _local_moments
+    from hvd_syncbn.torch.kernels import _CENTRED_FROM, host_moments
 
     x = torch_input(layout, kind)
     if kind in ("unit", "offset-3") and layout in SHIFTED:  # large enough for the shifted sums
@@ -343,7 +343,7 @@ def test_torch_kernel_matches_reference(layout, guess, kind):
     shift = None
     if guess is not None:
         shift = torch.from_numpy(np.nan_to_num(mean + guess * np.sqrt(np.nan_to_num(var)))).float()
-    got = _local_moments(x, torch.float32, shift)
+    got = host_moments(x, torch.float32, shift)
     assert_moments(got, (mean, var), f"torch {layout} {kind} guess {guess}", **kernel_tol(kind, "float32"))
 
 
@@ -355,11 +355,11 @@ def test_torch_kernel_low_precision_input_accumulates_in_float32(dtype, layout, 
     BN): against the reference on the half values themselves. (Mean 1e4 with std 0.1
     rounds every half value alike, so it is left out.)"""
     torch = pytest.importorskip("torch")
-    from hvd_syncbn.torch.batchnorm import _local_moments
+    from hvd_syncbn.torch.kernels import host_moments
 
     x = torch_input(layout, kind, dtype)
     _, mean, var = torch_reference(x)
-    got = _local_moments(x, torch.float32)
+    got = host_moments(x, torch.float32)
     assert_moments(got, (mean, var), f"torch {dtype} {layout} {kind}", **KERNEL_TOL["float32"])
 
 
@@ -368,12 +368,12 @@ def test_torch_kernel_low_precision_input_accumulates_in_float32(dtype, layout, 
                                            ("nchw", 300.0), ("channels-last", None)])
 def test_torch_kernel_float64(layout, guess, kind):
     torch = pytest.importorskip("torch")
-    from hvd_syncbn.torch.batchnorm import _local_moments
+    from hvd_syncbn.torch.kernels import host_moments
 
     x = torch_input(layout, kind, "float64")
     _, mean, var = torch_reference(x)
     shift = None if guess is None else torch.from_numpy(np.nan_to_num(mean + guess * np.sqrt(np.nan_to_num(var))))
-    got = _local_moments(x, torch.float64, shift)
+    got = host_moments(x, torch.float64, shift)
     assert_moments(got, (mean, var), f"torch float64 {layout} {kind} guess {guess}", **KERNEL_TOL["float64"])
 
 
@@ -382,15 +382,15 @@ def test_torch_kernel_float64(layout, guess, kind):
                                          if (d, k) != ("bfloat16", "offset-1e4")])
 @pytest.mark.parametrize("layout", TORCH_LAYOUTS)
 def test_torch_device_kernel_matches_reference(layout, dtype, kind):
-    """The device path's ``moments`` (no host read, no fall-back): the data shifted by one
+    """The device path's ``DeviceKernels.moments`` (no host read, no fall-back): the data shifted by one
     of its values keeps the mean within 1e-5 absolute even at mean 1e4 / std 0.1, where a
     plain float32 mean is off by 1e-3; the variance within the kernels' tolerance."""
     torch = pytest.importorskip("torch")
-    from hvd_syncbn.torch.device import moments
+    from hvd_syncbn.torch.kernels import DeviceKernels
 
     x = torch_input(layout, kind, dtype)
     count, mean, var = torch_reference(x)
-    got = moments(x, torch.float64 if dtype == "float64" else torch.float32)
+    got = DeviceKernels(1e-5, torch.float64 if dtype == "float64" else torch.float32).moments(x)
     assert got[0].tolist() == count.tolist() and all(t.dtype == torch.float64 for t in got)
     tol = KERNEL_TOL["float64"] if dtype == "float64" else dict(mean_rtol=0.0, mean_atol=1e-5, var_rtol=1e-5)
     assert_moments(got[1:], (mean, var), f"torch device {layout} {dtype} {kind}", **tol)

@@ -45,8 +45,16 @@ class _TFOps:
         return tf.reshape(x, [-1])
 
     @staticmethod
-    def keep(x: tf.Tensor, where: tf.Tensor) -> tf.Tensor:
-        return tf.where(where, x, tf.zeros_like(x))
+    def where(cond: tf.Tensor, a: tf.Tensor, b) -> tf.Tensor:
+        return tf.where(cond, a, b if isinstance(b, tf.Tensor) else tf.cast(b, a.dtype))
+
+    @staticmethod
+    def rsqrt(x: tf.Tensor) -> tf.Tensor:
+        return tf.math.rsqrt(x)
+
+    @staticmethod
+    def all_finite(x: tf.Tensor) -> tf.Tensor:
+        return tf.reduce_all(tf.math.is_finite(x))
 
     @staticmethod
     def rows(x: tf.Tensor, axes: Sequence[int]) -> tf.Tensor:

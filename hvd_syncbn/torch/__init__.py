@@ -2,7 +2,7 @@
 
 from .batchnorm import SyncBatchNorm
 from .convert import convert_sync_batchnorm, revert_sync_batchnorm
-from .device import check
+from .deferred import check
 from .norm_act import SyncBatchNormAct2d
 
 __all__ = ["SyncBatchNorm", "SyncBatchNormAct2d", "check", "convert_sync_batchnorm", "revert_sync_batchnorm"]

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import itertools
 import os
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 import numpy as np
 import torch
@@ -20,159 +20,61 @@ from hvd_syncbn import backend
 from hvd_syncbn import comm as transport
 from hvd_syncbn import transports
 from hvd_syncbn.torch import comm as torch_comm
-from hvd_syncbn.torch import device
+from hvd_syncbn.torch import deferred
+from hvd_syncbn.torch.kernels import DeviceKernels, HostKernels, Stats
+from hvd_syncbn.torch import reducers
+from hvd_syncbn.torch.reducers import GroupReducer, HostReducer, Identity, OpReducer
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 _layer_ids = itertools.count()
 
 
-_NUMPY = {torch.float32: np.float32, torch.float64: np.float64}
-_CENTRED_FROM = 1 << 15  # values; below, the native statistics kernel is as fast on CPU
+class Context(NamedTuple):
+    """What one synchronized call needs besides tensors: the kernels (with ``eps``), the
+    summing allreduce, whether checks are deferred (device path) or raise (host path),
+    the layer's name and ``check_finite``."""
+
+    kernels: DeviceKernels
+    reduce: Any
+    deferred: bool
+    name: str
+    check_finite: bool
+
+    def step(self) -> backend.Step:
+        checks = deferred.DeferredChecks() if self.deferred else backend.RAISE
+        return backend.Step(self.kernels.xp, self.kernels, self.reduce, checks, self.kernels.eps, self.name)
 
 
-_TORCH_OPS = device.TORCH_OPS
-
-
-def _host(t: Tensor) -> np.ndarray:
-    """A per-channel tensor as a numpy array: zero-copy for float32/float64 on the CPU,
-    other dtypes (a model cast to bfloat16 or float16) as float32."""
-    t = t.detach()
-    return (t if t.dtype in _NUMPY else t.float()).cpu().numpy()
-
-
-def _to(arr: np.ndarray, like: Tensor, dtype: torch.dtype) -> Tensor:
-    """A numpy per-channel vector as a ``dtype`` tensor on ``like``'s device."""
-    return torch.from_numpy(np.asarray(arr, dtype=_NUMPY[dtype])).to(like.device)
-
-
-_call = device.call
-
-
-def _allreduce_sum(layer: "SyncBatchNorm", comm: transport.Communicator, x: Tensor) -> backend.AllreduceSum:
-    return lambda buf, direction: transport.allreduce(comm, buf, _call(layer, comm, direction, x))
-
-
-def _local_moments(x: Tensor, acc: torch.dtype, shift: Optional[Tensor] = None) -> tuple[np.ndarray, np.ndarray]:
-    """Local per-channel mean and biased variance of ``(N, C, *)`` on the host: the
-    contract of :func:`hvd_syncbn.backend.local_moments`, by faster kernels.
-
-    - Large channels-first contiguous ``acc`` input: the sums of ``c = x − shift`` and
-      ``c²`` (:func:`_shifted_sums`). ``shift`` is a guess of the mean (the layer's
-      previous global mean); when it is within one standard deviation of this batch's
-      mean, ``Σc²/n − (Σc/n)²`` loses at most a factor of 2 to cancellation, else (or
-      with no guess) the mean is summed first and the data centred on it.
-    - Anything else: the native statistics kernel, accumulating in ``acc``.
-    - Where the ``acc`` mean is too coarse (:func:`hvd_syncbn.backend.needs_float64`):
-      the reference, in float64.
-    """
-    dims, channels = device.reduced_dims(x), x.shape[1]
-    if x.numel() == 0:
-        return np.zeros(channels), np.zeros(channels)
-    rows = x.numel() // channels
-    if x.dtype == acc and x.dim() > 2 and x.numel() >= _CENTRED_FROM and x.is_contiguous():
-        mean_h = var_h = None
-        if shift is not None:
-            total, squares = _shifted_sums(x, shift)
-            offset, mean_square = total / rows, squares / rows
-            if (offset * offset <= 0.5 * mean_square).all():  # |mean − shift| <= std, and no NaN
-                mean_h, var_h = _host(shift) + offset, mean_square - offset * offset
-        if mean_h is None:
-            mean = x.sum(dims).div_(rows)
-            mean_h, var_h = _host(mean), _shifted_sums(x, mean)[1] / rows
-    else:
-        if x.dtype == acc:
-            mean, var = torch.batch_norm_update_stats(x, None, None, 0.0)
-        else:  # mixed precision: float32 buffers make the native kernel accumulate in float32
-            scratch = torch.zeros(2, channels, dtype=acc, device=x.device)
-            mean, var = torch.batch_norm_update_stats(x, scratch[0], scratch[1], 0.0)
-        mean_h, var_h = _host(mean), _host(var)
-    if acc != torch.float64 and backend.needs_float64(backend.NUMPY_OPS, mean_h, var_h):
-        _, mean, var = backend.local_moments(_TORCH_OPS, x, dims)
-        return _host(mean), _host(var)
-    return mean_h, var_h
-
-
-def _shifted_sums(x: Tensor, shift: Tensor) -> tuple[np.ndarray, np.ndarray]:
-    """Per-channel ``Σc`` and ``Σc²`` of ``c = x − shift``, in float64 on the host: one
-    pass for ``c``, one for both sums, by the gradient kernel's ``Σdy`` and
-    ``Σdy·(x − m)·invstd`` with ``dy = x = c``, m 0 and invstd 1."""
-    centred = x - device.per_channel(shift, x)  # (N, C, *)
-    zeros, ones = torch.zeros_like(shift), torch.ones_like(shift)
-    _, squares, total = torch.ops.aten.native_batch_norm_backward(
-        centred, centred, None, None, None, zeros, ones, True, 0.0, [False, True, True]
-    )
-    return _host(total).astype(np.float64), _host(squares).astype(np.float64)
-
-
-class _SyncBatchNormFn(torch.autograd.Function):
-    """Normalise with global statistics; backward with one packed allreduce.
-
-    The per-channel vectors (moments, sums, coefficients) live on the host in numpy
-    float64, where small ops are cheaper than framework dispatches; only the passes over
-    the data run in torch.
-    """
+class _SyncBatchNormFunction(torch.autograd.Function):
+    """Normalise with global statistics (:func:`hvd_syncbn.backend.forward`); backward with
+    one packed allreduce (:func:`hvd_syncbn.backend.backward`). Returns ``y`` and, not
+    differentiable, the global count, mean, biased variance (in the kernels' ``xp``) and
+    the deferred checks' flags (``None`` on the host path, whose checks raise)."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, layer, comm):  # noqa: D401 - autograd API
-        acc = layer._acc_dtype(x)
-        try:
-            layer._check_input_dim(x)
-        except ValueError as e:  # bad input: every rank fails together, not this one alone
-            transport.poison(comm, _call(layer, comm, "fwd", x), str(e))
-        try:
-            guess = layer._mean_guess  # the previous global mean, to centre on
-            usable = guess is not None and guess.dtype == acc and guess.device == x.device
-            mean, var = _local_moments(x, acc, guess if usable else None)
-        except Exception as e:  # noqa: BLE001 - e.g. out of memory: release the peers, raise it here
-            transport.poison(comm, _call(layer, comm, "fwd", x), f"{layer.layer_name}: {type(e).__name__}: {e}",
-                             transport.SyncBatchNormError, cause=e)
-        count = np.array([_rows(x)], dtype=np.float64)
-        total, g_mean, g_var = backend.sync_moments(backend.NUMPY_OPS, _allreduce_sum(layer, comm, x), count, mean, var)
-        n = float(total[0])
-        backend.check_global_count(layer.layer_name, n, training=True)
-        if layer.check_finite:
-            backend.check_finite(layer.layer_name, bool(np.isfinite(g_mean).all() and np.isfinite(g_var).all()))
-        momentum = layer._momentum_now(n)
-        if momentum is not None:
-            with torch.no_grad():
-                for buf, new in ((layer.running_mean, g_mean), (layer.running_var, backend.unbiased(g_var, total))):
-                    buf.copy_(torch.from_numpy(backend.ema(_host(buf), new, 1 - momentum)))
-        invstd = 1.0 / np.sqrt(g_var + layer.eps)
-        mean_t, var_t = _to(g_mean, x, acc), _to(g_var, x, acc)
-        layer._mean_guess = mean_t if np.isfinite(g_mean).all() else None
-        # The native inference kernel normalises with the global statistics; it takes
-        # float16 input with float32 statistics only if the affine parameters are float32 too.
-        w, b = (p if p is None or p.dtype == acc else p.to(acc) for p in (weight, bias))
-        y = torch.batch_norm(x, w, b, mean_t, var_t, False, 0.0, layer.eps, torch.backends.cudnn.enabled)
-        ctx.save_for_backward(x, weight, mean_t, var_t, _to(invstd, x, acc))
-        ctx.layer, ctx.comm, ctx.total, ctx.invstd = layer, comm, total, invstd
-        return y
+    def forward(ctx, x, weight, bias, context: Context):  # noqa: D401 - autograd API
+        step = context.step()
+        (y,), (count, mean, var), stats = backend.forward(step, [x], weight, bias, context.check_finite)
+        errors = step.checks.stacked() if context.deferred else None
+        on_device = isinstance(count, Tensor)  # traced tensors must be saved as such
+        ctx.save_for_backward(x, weight, *stats, *((count, var) if on_device else ()))
+        ctx.context, ctx.host_stats = context, None if on_device else (count, var)
+        if on_device:
+            ctx.mark_non_differentiable(count, mean, var, errors)
+        return y, count, mean, var, errors
 
     @staticmethod
-    @once_differentiable  # the sums pass through numpy: a second derivative would be silently wrong
-    def backward(ctx, dy):
-        x, weight, mean, var, invstd = ctx.saved_tensors
-        layer = ctx.layer
-        need_x, need_w, need_b = ctx.needs_input_grad[:3]
-        if x.numel() == 0:
-            sum_dy_xhat = sum_dy = torch.zeros(x.shape[1], dtype=mean.dtype, device=x.device)
-        else:
-            _, sum_dy_xhat, sum_dy = torch.ops.aten.native_batch_norm_backward(
-                dy, x, None, None, None, mean, invstd, True, layer.eps, [False, True, True]
-            )
-        dx = None
-        if need_x:
-            g_dy, g_dy_xhat = backend.sync_grad_sums(
-                backend.NUMPY_OPS, _allreduce_sum(layer, ctx.comm, x), _host(sum_dy), _host(sum_dy_xhat))
-            w = None if weight is None else _host(weight)
-            k, s, t = backend.input_grad_coeffs(backend.NUMPY_OPS, ctx.total, ctx.invstd, w, g_dy, g_dy_xhat)
-            # s·x̂ + t through the native kernel (it normalises x with mean/var), then + k·dy.
-            dx = torch.batch_norm(x, _to(s, x, mean.dtype), _to(t, x, mean.dtype), mean, var, False, 0.0,
-                                  layer.eps, torch.backends.cudnn.enabled)
-            dx = dx.addcmul_(dy, device.per_channel(_to(k, x, mean.dtype).to(x.dtype), x))
-        dw = sum_dy_xhat.to(weight.dtype) if need_w else None
-        db = sum_dy.to(weight.dtype) if need_b else None
-        return dx, dw, db, None, None
+    @once_differentiable  # the sums are taken outside autograd: a second derivative would be silently wrong
+    def backward(ctx, dy, *_):
+        x, weight, *saved = ctx.saved_tensors
+        count, var = saved[3:] if ctx.host_stats is None else ctx.host_stats
+        kernels = ctx.context.kernels
+        scale = None if weight is None else kernels.wide(weight)
+        dxs, sum_dy, sum_dy_xhat = backend.backward(ctx.context.step(), [dy], [x], count, var, Stats(*saved[:3]),
+                                                    scale, ctx.needs_input_grad[0])
+        grads = [None if weight is None or not need else kernels.vector(s, weight.dtype)
+                 for s, need in ((sum_dy_xhat, ctx.needs_input_grad[1]), (sum_dy, ctx.needs_input_grad[2]))]
+        return (None if dxs is None else dxs[0]), *grads, None
 
 
 class SyncBatchNorm(_BatchNorm):
@@ -275,7 +177,7 @@ class SyncBatchNorm(_BatchNorm):
         """As ``nn.Module.train``, then raise the device path's deferred errors of this
         layer (:func:`~hvd_syncbn.torch.check`)."""
         super().train(mode)
-        device.check(self)
+        deferred.check(self)
         return self
 
     def _check_input_dim(self, input: Tensor) -> None:
@@ -296,16 +198,36 @@ class SyncBatchNorm(_BatchNorm):
     def _comm(self, nccl: bool = False) -> Optional[transport.Communicator]:
         """The communicator of this call, or ``None`` when this process is alone; ``nccl``:
         CUDA tensors on the device path (see :func:`hvd_syncbn.torch.comm.resolve`)."""
-        comm = device.traced_comm(self, nccl) if torch.compiler.is_compiling() else self._resolve_comm(nccl)
+        comm = _traced_comm(self, nccl) if torch.compiler.is_compiling() else self._resolve_comm(nccl)
         return comm if comm is not None and comm.size > 1 else None
 
-    def _momentum_now(self, count: float) -> Optional[float]:
-        """Count the batch (unless the global batch was empty) and return the weight of
-        the new statistics, or ``None`` to leave the running statistics alone."""
-        if not (self.training and self.track_running_stats) or count == 0:
-            return None
-        self.num_batches_tracked.add_(1)
-        return self.momentum if self.momentum is not None else 1.0 / float(self.num_batches_tracked)
+    def _context(self, x: Tensor, comm: transport.Communicator, on_device: bool) -> Context:
+        """How this call synchronizes: host or device kernels, and the matching reducer."""
+        identity, acc = Identity.of(self.layer_name, self.num_features, x), self._acc_dtype(x)
+        if not on_device:
+            reduce = HostReducer(comm, identity)
+            kernels = HostKernels(self.eps, acc, x.device, self._mean_guess,
+                                  lambda problem, e: reduce.fail(f"{self.layer_name}: {problem}",
+                                                                 transport.SyncBatchNormError, e))
+            return Context(kernels, reduce, False, self.layer_name, self.check_finite)
+        reduce = GroupReducer(comm, identity) if comm.traceable else OpReducer(comm, identity, x.device)
+        return Context(DeviceKernels(self.eps, acc), reduce, True, self.layer_name, self.check_finite)
+
+    def _update_running(self, kernels: DeviceKernels, count: Any, mean: Any, var: Any, ok: Any) -> None:
+        """Count the batch and update the running statistics (both in ``kernels.xp``),
+        unless the global batch was empty or a deferred check failed (``ok`` false)."""
+        if not (self.training and self.track_running_stats):
+            return
+        xp, updated = kernels.xp, (count[0] > 0) & ok
+        with torch.no_grad():
+            tracked = self.num_batches_tracked
+            tracked.add_(torch.as_tensor(updated, device=tracked.device).to(tracked.dtype))
+            momentum = self.momentum if self.momentum is not None else 1.0 / xp.maximum(kernels.wide(tracked), 1.0)
+            buffers = (self.running_mean, self.running_var)
+            news = backend.running_update(xp, [kernels.wide(b) for b in buffers],
+                                          [mean, backend.unbiased(var, count)], 1.0 - momentum, updated)
+            for buf, new in zip(buffers, news):
+                buf.copy_(torch.as_tensor(new))
 
     def forward(self, input: Tensor) -> Tensor:
         comm, on_device = None, False
@@ -313,13 +235,25 @@ class SyncBatchNorm(_BatchNorm):
             on_device = self.stats == "device" or self.stats == "auto" and (
                 input.device.type != "cpu" or torch.compiler.is_compiling())
             comm = self._comm(on_device and input.device.type == "cuda")
-        if comm is not None:
-            if on_device:
-                return device.forward(self, input, comm, self._acc_dtype(input))
-            return _SyncBatchNormFn.apply(input, self.weight, self.bias, self, comm)
+        if comm is None:
+            return self._alone(input)
+        context = self._context(input, comm, on_device)
+        try:
+            self._check_input_dim(input)
+        except ValueError as e:  # bad input: every rank fails together, not this one alone
+            context.reduce.fail(str(e))
+        y, count, mean, var, errors = _SyncBatchNormFunction.apply(input, self.weight, self.bias, context)
+        if errors is not None:
+            deferred.record(self, errors)
+        else:  # the next step centres its data on this global mean (see kernels.host_moments)
+            self._mean_guess = context.kernels.vector(mean, context.kernels.acc) if np.isfinite(mean).all() else None
+        self._update_running(context.kernels, count, mean, var, True if errors is None else ~errors.any())
+        return y
+
+    def _alone(self, input: Tensor) -> Tensor:
+        """Plain BN, but as across ranks a lone training row raises, an empty batch counts nothing."""
         rows = _rows(input) if self.training else None
         if rows is not None and (self.check_finite or rows < 2):
-            # alone as across ranks: a lone row raises, an empty batch counts nothing
             self._check_input_dim(input)
             backend.check_global_count(self.layer_name, rows, training=True)
             if self.check_finite:
@@ -330,6 +264,19 @@ class SyncBatchNorm(_BatchNorm):
 
     def extra_repr(self) -> str:
         return super().extra_repr() + f", name={self.layer_name!r}"
+
+
+@torch.compiler.assume_constant_result
+def _traced_index(layer: SyncBatchNorm, nccl: bool) -> int:
+    comm = layer._resolve_comm(nccl)
+    return -1 if comm is None else reducers.comm_index(comm)
+
+
+def _traced_comm(layer: SyncBatchNorm, nccl: bool) -> Optional[transport.Communicator]:
+    """``layer._resolve_comm(nccl)`` while ``torch.compile`` traces: resolved once per trace
+    (Dynamo cannot trace the resolver, which asks Horovod and the environment)."""
+    index = _traced_index(layer, nccl)
+    return None if index < 0 else reducers.known_comm(index)
 
 
 def _rows(x: Tensor) -> int:

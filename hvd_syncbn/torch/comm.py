@@ -55,6 +55,7 @@ class TorchDistComm(base.Communicator):
     Buffers cross on the device the group's backend works on (CUDA for NCCL)."""
 
     kind = "torch"
+    traceable = True
 
     def __init__(self, group: Any, diagnostics: bool = False) -> None:
         self.group = group if group is not None else dist.group.WORLD

@@ -32,7 +32,6 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import _register_process_group
 
 from hvd_syncbn import comm as transport
-from hvd_syncbn.torch import device
 
 log = logging.getLogger("hvd_syncbn")
 
@@ -139,12 +138,12 @@ def build(over: transport.Communicator) -> Tuple[dist.ProcessGroup, dist.Store]:
     alive (NCCL exchanges its ids over it at the first collective).
 
     The store waits by :func:`hvd_syncbn.comm.get_timeout`; the broadcast and the group
-    also wait :func:`hvd_syncbn.torch.device.compile_timeout` more, as a peer may still be
+    also wait :func:`hvd_syncbn.comm.compile_timeout` more, as a peer may still be
     compiling (a functional collective waits by the group's timeout).
     """
     rank, size = over.rank, over.size
     timeout = transport.get_timeout()
-    grace = datetime.timedelta(seconds=timeout + device.compile_timeout())
+    grace = datetime.timedelta(seconds=timeout + transport.compile_timeout())
     wait = datetime.timedelta(seconds=timeout)
     store, offer = None, {}
     if rank == 0:

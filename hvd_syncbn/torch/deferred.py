@@ -1,0 +1,99 @@
+"""The device path's checks, deferred: no host read during the step.
+
+On the device path (statistics as tensors on the input's device, traceable by
+``torch.compile``) a check that would need a host read — a global batch of one row,
+``check_finite``, ranks that summed different collectives over ``torch.distributed`` —
+sets a flag in the layer's ``_sync_errors`` buffer instead; the running statistics are
+left alone on such a step, and the output is NaN after a mismatch. :func:`check` raises
+them, naming the layers; :meth:`SyncBatchNorm.train` and :meth:`~SyncBatchNorm.eval`
+call it. With ``$HVD_SYNCBN_DEVICE_ASSERT=1`` (debugging) each flag is also a
+``torch._assert_async`` at the step.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+from torch import Tensor, nn
+
+from hvd_syncbn import backend
+from hvd_syncbn import comm as transport
+
+FLAGS = ("mismatch", "single_row", "non_finite")
+"""The flags of a layer's ``_sync_errors``, in order."""
+
+
+class DeferredChecks:
+    """:class:`hvd_syncbn.backend.Checks` that record flags as tensors; a NaN global
+    count is the mark of a mismatched collective (:class:`~hvd_syncbn.torch.reducers.GroupReducer`)."""
+
+    def __init__(self) -> None:
+        self.flags: dict = {}
+
+    def require(self, ok: Tensor, check: str, message: str) -> None:
+        self.flags[check] = ~ok
+
+    def after(self, values: Sequence[Tensor]) -> Sequence[Tensor]:
+        count = values[0][0]
+        self.flags["mismatch"] = count != count
+        return values
+
+    def stacked(self) -> Tensor:
+        """The flags in the order of :data:`FLAGS` (false where a check did not run)."""
+        some = next(iter(self.flags.values()))
+        return torch.stack([self.flags.get(name, torch.zeros_like(some)) for name in FLAGS])
+
+
+ASSERT_ENV = "HVD_SYNCBN_DEVICE_ASSERT"
+
+
+@torch.compiler.assume_constant_result
+def asserts() -> bool:
+    """Whether the deferred checks also assert at the step (``$HVD_SYNCBN_DEVICE_ASSERT=1``),
+    with ``torch._assert_async``: a debug mode, since on CUDA a failed assert loses its
+    message and leaves the CUDA context unusable."""
+    return transport.env_flag(ASSERT_ENV, False, "errors deferred to check(), the default",
+                              "also assert at the step, for debugging")
+
+
+def record(layer: nn.Module, errors: Tensor) -> None:
+    """Add a step's ``errors`` (:data:`FLAGS`) to ``layer._sync_errors`` (asserting them
+    first in the debug mode)."""
+    if asserts():
+        for flag, text in zip(errors, messages(layer.layer_name)):
+            torch._assert_async(~flag, f"SyncBatchNorm (device path): {text}")
+    with torch.no_grad():
+        layer._sync_errors |= errors.to(layer._sync_errors.device)
+
+
+def messages(name: str) -> tuple:
+    """What each flag of ``_sync_errors`` means, for layer ``name``."""
+    return (f"{name}: ranks summed different collectives (they disagree on the SyncBN layers, their order, "
+            f"channel count, input rank or dtype)", backend.single_row_message(name), backend.non_finite_message(name))
+
+
+def check(module: nn.Module) -> None:
+    """Raise the device path's deferred errors of ``module``'s SyncBN layers (one host
+    read), naming each layer and what it saw since the last check, and clear them.
+
+    Raises:
+        SyncBatchNormError: ranks summed different collectives.
+        ValueError: a global batch of one row, or non-finite statistics with ``check_finite``.
+    """
+    layers = [m for m in module.modules() if getattr(m, "_sync_errors", None) is not None]
+    if not layers:
+        return
+    first = layers[0]._sync_errors.device
+    seen = torch.stack([m._sync_errors.to(first) for m in layers]).cpu().numpy()  # (layers, flags)
+    for m in layers:
+        m._sync_errors.zero_()
+    problems = []
+    for m, row in zip(layers, seen):
+        problems += [text for text, bad in zip(messages(m.layer_name), row) if bad]
+    if not problems:
+        return
+    message = "SyncBatchNorm (device path): " + "; ".join(problems)
+    if seen[:, FLAGS.index("mismatch")].any():
+        raise transport.SyncBatchNormError(message)
+    raise ValueError(message)

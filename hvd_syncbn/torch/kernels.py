@@ -1,0 +1,229 @@
+"""The passes over the data of :class:`~hvd_syncbn.torch.SyncBatchNorm`, for the driver
+in :mod:`hvd_syncbn.backend`: torch's ops as ``xp`` and the kernels of both paths.
+
+- :class:`DeviceKernels`: every per-channel vector a float64 tensor on the input's
+  device, nothing read on the host, so the step traces under ``torch.compile``.
+- :class:`HostKernels`: the per-channel vectors in numpy float64 on the host, where small
+  ops cost less than framework dispatches; only the passes over the data run in torch.
+
+Both normalise, and take the gradient sums, with PyTorch's native batch-norm kernels
+given the global statistics.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, NamedTuple, Optional
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from hvd_syncbn import backend
+
+
+class TorchOps:
+    """:class:`hvd_syncbn.backend.ArrayOps` for torch tensors on any device."""
+
+    concat, maximum, any = staticmethod(torch.cat), staticmethod(torch.clamp_min), staticmethod(torch.any)
+    rsqrt = staticmethod(torch.rsqrt)
+
+    @staticmethod
+    def wide(x: Tensor) -> Tensor:
+        return x.to(torch.float64)
+
+    @staticmethod
+    def sum(x: Tensor, axes) -> Tensor:
+        return x.sum(list(axes), keepdim=True)
+
+    @staticmethod
+    def flat(x: Tensor) -> Tensor:
+        return x.reshape(-1)
+
+    @staticmethod
+    def where(cond: Tensor, a: Tensor, b: Any) -> Tensor:
+        return torch.where(cond, a, b)
+
+    @staticmethod
+    def all_finite(x: Tensor) -> Tensor:
+        return torch.isfinite(x).all()
+
+    @staticmethod
+    def rows(x: Tensor, axes) -> Tensor:
+        return torch.full((1,), math.prod([x.shape[a] for a in axes]), dtype=torch.float64, device=x.device)
+
+
+TORCH_OPS = TorchOps()
+
+
+def per_channel(v: Tensor, like: Tensor) -> Tensor:
+    """``(C,)`` viewed to broadcast against ``(N, C, *)``."""
+    return v.view((1, -1) + (1,) * (like.dim() - 2))
+
+
+def reduced_dims(x: Tensor) -> list:
+    """Every dim of ``(N, C, *)`` but the channels."""
+    return [0, *range(2, x.dim())]
+
+
+class Stats(NamedTuple):
+    """The global statistics as the native kernels take them: ``acc`` tensors on the
+    input's device."""
+
+    mean: Tensor
+    var: Tensor
+    invstd: Tensor
+
+
+class DeviceKernels:
+    """:class:`hvd_syncbn.backend.Kernels` for ``(N, C, *)`` torch tensors, accumulating in
+    ``acc``, with the per-channel vectors as float64 tensors on the input's device."""
+
+    xp = TORCH_OPS
+
+    def __init__(self, eps: float, acc: torch.dtype) -> None:
+        self.eps, self.acc = eps, acc
+
+    def vector(self, v: Any, dtype: torch.dtype) -> Tensor:
+        """A per-channel vector of ``xp`` as a ``dtype`` tensor on the input's device."""
+        return v.to(dtype)
+
+    def wide(self, t: Tensor) -> Any:
+        """A per-channel torch tensor as a float64 vector of ``xp``."""
+        return t.detach().double()
+
+    def moments(self, x: Tensor) -> tuple:
+        """``var_mean`` in ``acc`` of the data shifted by one of its own values per channel
+        (a shift within a few standard deviations of the mean keeps the float32 mean's
+        rounding far below the spread), the shift added back in float64."""
+        dims = reduced_dims(x)
+        count = TORCH_OPS.rows(x, dims)
+        if x.numel() == 0:  # zeros that depend on x, so that a compiler keeps the collective in place
+            zeros = x.detach().to(torch.float64).sum(dims)
+            return count, zeros, zeros
+        shift = x.detach()[(0, slice(None)) + (0,) * (x.dim() - 2)].to(self.acc)  # (C,)
+        var, mean = torch.var_mean(x.detach().to(self.acc) - per_channel(shift, x), dims, correction=0)
+        return count, shift.double() + mean.double(), var.double()
+
+    def prepare(self, mean: Any, var: Any) -> Stats:
+        invstd = self.xp.rsqrt(var + self.eps)
+        return Stats(*(self.vector(v, self.acc) for v in (mean, var, invstd)))
+
+    def normalize(self, x: Tensor, stats: Stats, scale: Optional[Tensor], offset: Optional[Tensor]) -> Tensor:
+        # The native inference kernel takes float16 input with float32 statistics only if
+        # the affine parameters are float32 too.
+        w, b = (p if p is None or p.dtype == self.acc else p.to(self.acc) for p in (scale, offset))
+        return torch.batch_norm(x, w, b, stats.mean, stats.var, False, 0.0, self.eps, torch.backends.cudnn.enabled)
+
+    def grad_sums(self, dy: Tensor, x: Tensor, stats: Stats) -> tuple:
+        if x.numel() == 0:  # zeros from dy: with constants AOTAutograd would move the collective forward
+            sum_dy_xhat = sum_dy = dy.to(stats.mean.dtype).sum(reduced_dims(x))
+        else:
+            _, sum_dy_xhat, sum_dy = torch.ops.aten.native_batch_norm_backward(
+                dy, x, None, None, None, stats.mean, stats.invstd, True, self.eps, [False, True, True])
+        return self.wide(sum_dy), self.wide(sum_dy_xhat)
+
+    def input_grad(self, dy: Tensor, x: Tensor, stats: Stats, k: Any, s: Any, t: Any) -> Tensor:
+        # s·x̂ + t through the native kernel (it normalises x with mean/var), then + k·dy.
+        dtype = stats.mean.dtype
+        dx = torch.batch_norm(x, self.vector(s, dtype), self.vector(t, dtype), stats.mean, stats.var, False, 0.0,
+                              self.eps, torch.backends.cudnn.enabled)
+        return torch.addcmul(dx, dy, per_channel(self.vector(k, dtype).to(x.dtype), x))
+
+
+_NUMPY = {torch.float32: np.float32, torch.float64: np.float64}
+_CENTRED_FROM = 1 << 15  # values; below, the native statistics kernel is as fast on CPU
+
+
+def host(t: Tensor) -> np.ndarray:
+    """A per-channel tensor as a numpy array: zero-copy for float32/float64 on the CPU,
+    other dtypes (a model cast to bfloat16 or float16) as float32."""
+    t = t.detach()
+    return (t if t.dtype in _NUMPY else t.float()).cpu().numpy()
+
+
+class HostKernels(DeviceKernels):
+    """:class:`DeviceKernels` with the per-channel vectors in numpy float64 on the host.
+
+    ``guess``: a guess of the batch mean (the layer's previous global mean) to centre
+    the data on; ``fail(problem, cause)``: how a failure of the local pass ends every
+    rank's step (joining the collective the peers wait in)."""
+
+    xp = backend.NUMPY_OPS
+
+    def __init__(self, eps: float, acc: torch.dtype, device: torch.device, guess: Optional[Tensor],
+                 fail: Callable[[str, BaseException], None]) -> None:
+        super().__init__(eps, acc)
+        self.device, self.guess, self.fail = device, guess, fail
+
+    def vector(self, v: Any, dtype: torch.dtype) -> Tensor:
+        if dtype in _NUMPY:
+            return torch.from_numpy(np.asarray(v, dtype=_NUMPY[dtype])).to(self.device)
+        return torch.from_numpy(np.asarray(v, dtype=np.float64)).to(self.device, dtype)
+
+    def wide(self, t: Tensor) -> Any:
+        return host(t).astype(np.float64)
+
+    def moments(self, x: Tensor) -> tuple:
+        try:
+            mean, var = host_moments(x, self.acc, self.guess)
+        except Exception as e:  # noqa: BLE001 - e.g. out of memory: release the peers, raise it here
+            self.fail(f"{type(e).__name__}: {e}", e)
+        return np.array([x.numel() // x.shape[1]], dtype=np.float64), mean, var
+
+
+def host_moments(x: Tensor, acc: torch.dtype, shift: Optional[Tensor] = None) -> tuple:
+    """Local per-channel mean and biased variance of ``(N, C, *)`` on the host: the
+    contract of :func:`hvd_syncbn.backend.local_moments`, by faster kernels.
+
+    - Large channels-first contiguous ``acc`` input: the sums of ``c = x − shift`` and
+      ``c²`` (:func:`_shifted_sums`). ``shift`` is a guess of the mean (the layer's
+      previous global mean); when it is within one standard deviation of this batch's
+      mean, ``Σc²/n − (Σc/n)²`` loses at most a factor of 2 to cancellation, else (or
+      with no guess) the mean is summed first and the data centred on it.
+    - Anything else: the native statistics kernel, accumulating in ``acc``.
+    - Where the ``acc`` mean is too coarse (:func:`hvd_syncbn.backend.needs_float64`):
+      the reference, in float64.
+    """
+    if shift is not None and (shift.dtype != acc or shift.device != x.device):
+        shift = None
+    dims, channels = reduced_dims(x), x.shape[1]
+    if x.numel() == 0:
+        return np.zeros(channels), np.zeros(channels)
+    if x.dtype == acc and x.dim() > 2 and x.numel() >= _CENTRED_FROM and x.is_contiguous():
+        mean_h, var_h = _centred_moments(x, dims, shift)
+    elif x.dtype == acc:
+        mean, var = torch.batch_norm_update_stats(x, None, None, 0.0)
+        mean_h, var_h = host(mean), host(var)
+    else:  # mixed precision: float32 buffers make the native kernel accumulate in float32
+        scratch = torch.zeros(2, channels, dtype=acc, device=x.device)
+        mean, var = torch.batch_norm_update_stats(x, scratch[0], scratch[1], 0.0)
+        mean_h, var_h = host(mean), host(var)
+    if acc != torch.float64 and backend.needs_float64(backend.NUMPY_OPS, mean_h, var_h):
+        _, mean, var = backend.local_moments(TORCH_OPS, x, dims)
+        return host(mean), host(var)
+    return mean_h, var_h
+
+
+def _centred_moments(x: Tensor, dims: list, shift: Optional[Tensor]) -> tuple:
+    """Mean and variance from the shifted sums, about ``shift`` if it is close enough."""
+    rows = x.numel() // x.shape[1]
+    if shift is not None:
+        total, squares = _shifted_sums(x, shift)
+        offset, mean_square = total / rows, squares / rows
+        if (offset * offset <= 0.5 * mean_square).all():  # |mean − shift| <= std, and no NaN
+            return host(shift) + offset, mean_square - offset * offset
+    mean = x.sum(dims).div_(rows)
+    return host(mean), _shifted_sums(x, mean)[1] / rows
+
+
+def _shifted_sums(x: Tensor, shift: Tensor) -> tuple:
+    """Per-channel ``Σc`` and ``Σc²`` of ``c = x − shift``, in float64 on the host: one
+    pass for ``c``, one for both sums, by the gradient kernel's ``Σdy`` and
+    ``Σdy·(x − m)·invstd`` with ``dy = x = c``, m 0 and invstd 1."""
+    centred = x - per_channel(shift, x)  # (N, C, *)
+    zeros, ones = torch.zeros_like(shift), torch.ones_like(shift)
+    _, squares, total = torch.ops.aten.native_batch_norm_backward(
+        centred, centred, None, None, None, zeros, ones, True, 0.0, [False, True, True]
+    )
+    return host(total).astype(np.float64), host(squares).astype(np.float64)

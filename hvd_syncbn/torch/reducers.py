@@ -1,0 +1,160 @@
+"""How :class:`~hvd_syncbn.torch.SyncBatchNorm` sums its buffers over the ranks: the
+``reduce(buf, direction)`` of :class:`hvd_syncbn.backend.Step`, one per path.
+
+- :class:`HostReducer`: numpy buffers through :func:`hvd_syncbn.comm.allreduce` (the
+  step-counted identity header, the deadline, the diagnosis) over any transport.
+- :class:`OpReducer`: the device path over Horovod or MPI: the custom op
+  ``hvd_syncbn::allreduce`` around the same call, which ``torch.compile`` keeps opaque.
+  CUDA buffers go to the transport as they are where it reads device memory
+  (``device_buffers``), else through one copy into pinned host memory.
+- :class:`GroupReducer`: the device path over ``torch.distributed``: a functional
+  collective on the group (NCCL for CUDA tensors, Gloo on the CPU), which Dynamo traces.
+  Its header is static (no step); on a mismatch the summed buffer is NaN, which the
+  device checks report (:mod:`hvd_syncbn.torch.deferred`).
+
+Each can also ``fail(problem)``: end every rank's step with ``problem`` (joining the
+forward collective the peers wait in, where the transport has a diagnosis).
+"""
+
+from __future__ import annotations
+
+from typing import List, NamedTuple, Optional
+
+import torch
+import torch.distributed._functional_collectives as funcol
+from torch import Tensor
+
+from hvd_syncbn import comm as transport
+
+
+class Identity(NamedTuple):
+    """What names a layer's collectives and its header: layer, channels, input rank, dtype."""
+
+    layer: str
+    channels: int
+    ndim: int
+    dtype: str
+
+    @classmethod
+    def of(cls, layer: str, channels: int, x: Tensor) -> "Identity":
+        return cls(layer, channels, x.dim(), str(x.dtype).replace("torch.", ""))
+
+    def call(self, comm: transport.Communicator, direction: str) -> transport.Call:
+        """This rank's next collective in ``direction`` over ``comm`` (it counts the step)."""
+        return transport.make_call(comm, self.layer, direction, self.channels, self.ndim, self.dtype)
+
+
+class HostReducer:
+    """Numpy buffers over ``comm``."""
+
+    def __init__(self, comm: transport.Communicator, identity: Identity) -> None:
+        self.comm, self.identity = comm, identity
+
+    def __call__(self, buf, direction: str):
+        return transport.allreduce(self.comm, buf, self.identity.call(self.comm, direction))
+
+    def fail(self, problem: str, error: type = transport.SyncBatchNormInputError,
+             cause: Optional[BaseException] = None) -> None:
+        transport.poison(self.comm, self.identity.call(self.comm, "fwd"), problem, error, cause)
+
+
+_comms: List[transport.Communicator] = []
+"""The communicators the custom op has seen: it takes an index (ops take no objects)."""
+
+
+def comm_index(comm: transport.Communicator) -> int:
+    """``comm``'s index in the communicators the custom op knows (added if new)."""
+    for i, known in enumerate(_comms):
+        if known is comm:
+            return i
+    _comms.append(comm)
+    return len(_comms) - 1
+
+
+def known_comm(index: int) -> transport.Communicator:
+    return _comms[index]
+
+
+@torch.library.custom_op("hvd_syncbn::allreduce", mutates_args=(),
+                         tags=tuple(getattr(torch.Tag, t) for t in ("cudagraph_unsafe",) if hasattr(torch.Tag, t)))
+def _allreduce(buf: Tensor, comm: int, layer: str, direction: str, channels: int, ndim: int, dtype: str) -> Tensor:
+    """:func:`hvd_syncbn.comm.allreduce` of a float64 buffer over ``_comms[comm]``; the
+    first call of each layer and direction waits :func:`hvd_syncbn.comm.compile_timeout`
+    more, as a peer may still be compiling."""
+    c = _comms[comm]
+    call = Identity(layer, channels, ndim, dtype).call(c, direction)
+    timeout = transport.get_timeout() + (transport.compile_timeout() if call.step == 0 else 0.0)
+    join = joiner(c, buf.device)
+    payload = buf.detach()
+    if join is transport.prepend:  # host memory: a CUDA buffer crosses once, into pinned memory
+        payload = payload.to("cpu", non_blocking=True)
+        if buf.is_cuda:
+            torch.cuda.current_stream(buf.device).synchronize()
+        payload = payload.numpy()
+    out = transport.allreduce(c, payload, call, timeout, join=join)
+    return torch.as_tensor(out).to(buf.device, non_blocking=True)
+
+
+@_allreduce.register_fake
+def _(buf, comm, layer, direction, channels, ndim, dtype):
+    return torch.empty_like(buf)
+
+
+def joiner(comm: transport.Communicator, device: torch.device) -> transport.Join:
+    """How the custom op's buffers on ``device`` reach ``comm``: CUDA buffers as they are
+    where the transport reads device memory (``comm.device_buffers``: Horovod built with
+    GPU support, CUDA-aware MPI), after the collective's one wait for the device (the
+    transport reads from the host's side); anything else as numpy
+    (:func:`hvd_syncbn.comm.prepend`)."""
+    if device.type != "cuda" or not comm.device_buffers:
+        return transport.prepend
+
+    def join(head: List[float], payload) -> Tensor:
+        head_t = torch.tensor(head, dtype=torch.float64, pin_memory=True)
+        payload = torch.as_tensor(payload, dtype=torch.float64, device=device)  # poison's are numpy zeros
+        out = torch.cat([head_t.to(device, non_blocking=True), payload])
+        torch.cuda.current_stream(device).synchronize()
+        return out
+
+    return join
+
+
+class OpReducer(HostReducer):
+    """Device tensors over Horovod or MPI, through the custom op."""
+
+    def __init__(self, comm: transport.Communicator, identity: Identity, device: torch.device) -> None:
+        super().__init__(comm, identity)
+        self.index, self.device = comm_index(comm), device
+
+    def __call__(self, buf: Tensor, direction: str) -> Tensor:
+        return _allreduce(buf, self.index, self.identity.layer, direction, *self.identity[1:])
+
+    def fail(self, problem: str, error: type = transport.SyncBatchNormInputError,
+             cause: Optional[BaseException] = None) -> None:
+        transport.poison(self.comm, self.identity.call(self.comm, "fwd"), problem, error, cause,
+                         join=joiner(self.comm, self.device))
+
+
+@torch.compiler.assume_constant_result
+def static_header(layer: str, direction: str, channels: int, ndim: int, dtype: str, world: int) -> List[float]:
+    """The static ``[h, h²]`` of a functional collective (no step: it is traced once)."""
+    return transport.header(transport.Call(layer, direction, 0, channels, ndim, dtype), world)
+
+
+class GroupReducer:
+    """Device tensors over a ``torch.distributed`` group, by a functional collective; a
+    summed header that does not match makes the whole buffer NaN."""
+
+    def __init__(self, comm: transport.Communicator, identity: Identity) -> None:
+        self.comm, self.identity = comm, identity
+
+    def __call__(self, buf: Tensor, direction: str) -> Tensor:
+        layer, channels, ndim, dtype = self.identity
+        head = static_header(layer, direction, channels, ndim, dtype, self.comm.size)
+        out = funcol.wait_tensor(funcol.all_reduce(torch.cat([buf.new_tensor(head), buf]), "sum", self.comm.group))
+        mixed = (out[0] != self.comm.size * head[0]) | (out[1] != self.comm.size * head[1])
+        return torch.where(mixed, torch.nan, out[transport.HEADER:])
+
+    def fail(self, problem: str, error: type = ValueError, cause: Optional[BaseException] = None) -> None:
+        """No diagnosis crosses a functional collective: raise here; peers time out."""
+        raise error(problem) from cause
