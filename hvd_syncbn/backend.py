@@ -247,11 +247,14 @@ class Kernels(Protocol):
     def normalize(self, x: Tensor, stats: Any, scale: Optional[Tensor], offset: Optional[Tensor]) -> Tensor:
         """``scale·x̂ + offset`` with ``x̂ = (x − mean)/√(var + ε)`` (``None``: 1 and 0)."""
 
-    def grad_sums(self, dy: Tensor, x: Tensor, stats: Any) -> Tuple[Tensor, Tensor]:
-        """Local ``(Σdy, Σdy·x̂)`` per channel, float64 in ``xp``."""
+    def grad_sums(self, dy: Tensor, x: Tensor, stats: Any, scale: Optional[Tensor]) -> Tuple[Tensor, Tensor, Any]:
+        """Local ``(Σdy, Σdy·x̂)`` per channel, float64 in ``xp``, and whatever of this pass
+        :meth:`input_grad` can reuse (``scale``, as :func:`backward` has it, lets a fused
+        kernel compute ``k·dy`` here)."""
 
-    def input_grad(self, dy: Tensor, x: Tensor, stats: Any, k: Tensor, s: Tensor, t: Tensor) -> Tensor:
-        """``k·dy + s·x̂ + t``."""
+    def input_grad(self, dy: Tensor, x: Tensor, stats: Any, coeffs: Tuple[Tensor, Tensor, Tensor],
+                   kept: Any) -> Tensor:
+        """``k·dy + s·x̂ + t`` for ``coeffs = (k, s, t)``; ``kept``: from :meth:`grad_sums`."""
 
 
 class Checks(Protocol):
@@ -328,13 +331,14 @@ def backward(step: Step, dys: Sequence[Tensor], parts: Sequence[Tensor], count: 
     and ``dγ``: they stay local).
     """
     xp, kernels = step.xp, step.kernels
-    sums = [kernels.grad_sums(dy, x, stats) for dy, x in zip(dys, parts)]
+    sums = [kernels.grad_sums(dy, x, stats, scale) for dy, x in zip(dys, parts)]
     sum_dy, sum_dy_xhat = _add([s[0] for s in sums]), _add([s[1] for s in sums])
     if not input_grad:
         return None, sum_dy, sum_dy_xhat
     g_dy, g_dy_xhat = sync_grad_sums(xp, step.reduce, sum_dy, sum_dy_xhat)
-    k, s, t = input_grad_coeffs(xp, count, xp.rsqrt(var + step.eps), scale, g_dy, g_dy_xhat)
-    return [kernels.input_grad(dy, x, stats, k, s, t) for dy, x in zip(dys, parts)], sum_dy, sum_dy_xhat
+    coeffs = input_grad_coeffs(xp, count, xp.rsqrt(var + step.eps), scale, g_dy, g_dy_xhat)
+    dxs = [kernels.input_grad(dy, x, stats, coeffs, kept) for dy, x, (_, _, kept) in zip(dys, parts, sums)]
+    return dxs, sum_dy, sum_dy_xhat
 
 
 def running_update(xp: ArrayOps, olds: Sequence[Tensor], news: Sequence[Tensor], old_weight: Any,

@@ -13,7 +13,7 @@ from hvd_syncbn import backend
 from hvd_syncbn import comm as transport
 from hvd_syncbn import transports
 from hvd_syncbn.tensorflow import comm as tf_comm
-from hvd_syncbn.tensorflow.functional import _keep, _scale_shift, _split_axes, _sync_normalize
+from hvd_syncbn.tensorflow.functional import _ops, _per_channel, _scale_shift, _split_axes, _sync_normalize
 
 
 @keras.saving.register_keras_serializable(package="hvd_syncbn")
@@ -159,7 +159,7 @@ class SyncBatchNormalization(keras.layers.BatchNormalization):
         gamma, beta = (None if w is None else tf.cast(w, x.dtype) for w in (self.gamma, self.beta))
         if sync:
             (y,), mean, var, total = _sync_normalize(
-                [x], gamma, beta, axes, self.epsilon, self.name, self.process_set, [mask], self.comm,
+                [x], gamma, beta, axes, self.epsilon, self.name, self.process_set, mask, self.comm,
                 self.check_finite, self._renorm_correction if self.renorm else None,
             )
             # Renorm's updates wait for the output: in a tf.function, its reads of renorm_mean
@@ -168,15 +168,15 @@ class SyncBatchNormalization(keras.layers.BatchNormalization):
                 self._update_moving(mean, var, total[0] > 0)
         else:  # multi-axis inference
             mean, var = (tf.cast(v, x.dtype) for v in (self.moving_mean, self.moving_variance))
-            xhat = (x - _keep(mean, x, axes)) * _keep(tf.math.rsqrt(var + self.epsilon), x, axes)
+            xhat = (x - _per_channel(mean, x, axes)) * _per_channel(tf.math.rsqrt(var + self.epsilon), x, axes)
             y = _scale_shift(xhat, gamma, beta, axes)
         return tf.cast(y, self.compute_dtype)
 
     def _renorm_correction(self, mean: tf.Tensor, var: tf.Tensor) -> Tuple[tf.Tensor, tf.Tensor]:
         """Batch renormalization's ``(r, d)`` from the global statistics, by Keras's own
         code (which reads ``renorm_mean``, ``renorm_stddev`` and ``renorm_clipping``)."""
-        shape = self.renorm_mean.shape
-        r, d, _, _ = self._renorm_correction_and_moments(tf.reshape(mean, shape), tf.reshape(var, shape))
+        shape, dtype = self.renorm_mean.shape, self.renorm_mean.dtype
+        r, d, _, _ = self._renorm_correction_and_moments(*(tf.cast(tf.reshape(v, shape), dtype) for v in (mean, var)))
         return r, d
 
     def _update_moving(self, mean: tf.Tensor, var: tf.Tensor, some: tf.Tensor) -> None:
@@ -189,12 +189,12 @@ class SyncBatchNormalization(keras.layers.BatchNormalization):
                         (self.renorm_stddev, stddev, self.renorm_momentum)]
         else:
             updates.append((self.moving_variance, var, self.momentum))
-        for moving, new, keep in updates:
+        for moving, new, momentum in updates:
             new = tf.cast(tf.reshape(new, moving.shape), moving.dtype)
-            moving.assign(tf.where(some, backend.ema(moving, new, tf.cast(keep, moving.dtype)), moving))
+            moving.assign(backend.running_update(_ops, [moving], [new], tf.cast(momentum, moving.dtype), some)[0])
         if self.renorm:  # Keras derives the variance from the standard deviation
-            self.moving_variance.assign(tf.where(
-                some, tf.nn.relu(tf.square(self.moving_stddev) - self.epsilon), self.moving_variance))
+            derived = tf.nn.relu(tf.square(self.moving_stddev) - self.epsilon)
+            self.moving_variance.assign(backend.running_update(_ops, [self.moving_variance], [derived], 0.0, some)[0])
 
     def get_config(self):
         config = super().get_config()

@@ -127,7 +127,7 @@ def _split_axes(ndim: int, axis: Any, layer: str) -> Tuple[list, list]:
     return channel, [a for a in range(ndim) if a not in channel]
 
 
-def _keep(v: tf.Tensor, x: tf.Tensor, axes: Sequence[int]) -> tf.Tensor:
+def _per_channel(v: tf.Tensor, x: tf.Tensor, axes: Sequence[int]) -> tf.Tensor:
     """A flat per-channel ``(C,)`` vector shaped to broadcast against ``x``."""
     return tf.reshape(v, [1 if a in axes else x.shape[a] for a in range(len(x.shape))])
 
@@ -135,8 +135,8 @@ def _keep(v: tf.Tensor, x: tf.Tensor, axes: Sequence[int]) -> tf.Tensor:
 def _scale_shift(xhat: tf.Tensor, gamma: Optional[tf.Tensor], beta: Optional[tf.Tensor],
                  axes: Sequence[int]) -> tf.Tensor:
     """``γ·x̂ + β`` for flat ``(C,)`` ``γ``, ``β`` (either may be ``None``)."""
-    y = xhat if gamma is None else xhat * _keep(gamma, xhat, axes)
-    return y if beta is None else y + _keep(beta, xhat, axes)
+    y = xhat if gamma is None else xhat * _per_channel(tf.cast(gamma, xhat.dtype), xhat, axes)
+    return y if beta is None else y + _per_channel(tf.cast(beta, xhat.dtype), xhat, axes)
 
 
 def _sum(t: tf.Tensor, axes: Sequence[int]) -> tf.Tensor:
@@ -195,6 +195,111 @@ def _first_order(layer: str, *grads: tf.Tensor) -> list:
     return list(identity(*grads))
 
 
+class CompositeKernels:
+    """:class:`hvd_syncbn.backend.Kernels` from composite TF ops, for any dtype and layout.
+    ``weight`` (broadcastable to the input, 0 or 1) leaves positions out of the statistics;
+    they are normalised too, so their ``dy`` enters every gradient sum."""
+
+    def __init__(self, axes: Sequence[int], eps: float, weight: Optional[tf.Tensor] = None) -> None:
+        self.axes, self.eps, self.weight = list(axes), eps, weight
+
+    def moments(self, x: tf.Tensor):
+        weights = None if self.weight is None else self.weight * tf.ones_like(x)
+        return backend.local_moments(_ops, x, self.axes, weights)
+
+    def prepare(self, mean: tf.Tensor, var: tf.Tensor) -> Tuple[tf.Tensor, tf.Tensor]:
+        return mean, _ops.rsqrt(var + self.eps)
+
+    def _xhat(self, x: tf.Tensor, stats) -> tf.Tensor:
+        mean, invstd = (tf.cast(v, x.dtype) for v in stats)
+        return (x - _per_channel(mean, x, self.axes)) * _per_channel(invstd, x, self.axes)
+
+    def normalize(self, x, stats, scale, offset):
+        return _scale_shift(self._xhat(x, stats), scale, offset, self.axes)
+
+    def grad_sums(self, dy, x, stats, scale):
+        xhat = self._xhat(x, stats)
+        return _ops.wide(_sum(dy, self.axes)), _ops.wide(_sum(dy * xhat, self.axes)), xhat
+
+    def input_grad(self, dy, x, stats, coeffs, xhat):
+        k, s, t = (_per_channel(tf.cast(c, x.dtype), x, self.axes) for c in coeffs)
+        stat = s * xhat + t
+        return k * dy + (stat if self.weight is None else stat * self.weight)
+
+
+class FusedKernels(CompositeKernels):
+    """:class:`hvd_syncbn.backend.Kernels` by TF's fused kernels, one pass each way (plus
+    one for the global terms backward), for float32 inputs that :func:`_fused_layout` takes."""
+
+    def __init__(self, axes: Sequence[int], eps: float, layout: Tuple[Any, str]) -> None:
+        super().__init__(axes, eps)
+        self.to_fused, self.fmt = layout
+
+    def moments(self, x):
+        return _fused_moments(x, self.axes, self.to_fused(x), self.fmt)
+
+    def prepare(self, mean, var):
+        return tf.cast(mean, tf.float32), tf.cast(var, tf.float32)
+
+    def _affine(self, x, stats, scale, offset):
+        mean = stats[0]
+        scale = tf.ones_like(mean) if scale is None else tf.cast(scale, tf.float32)
+        offset = tf.zeros_like(mean) if offset is None else tf.cast(offset, tf.float32)
+        return _like(_fused_affine(self.to_fused(x), *stats, self.eps, scale, offset, self.fmt), x)
+
+    def normalize(self, x, stats, scale, offset):
+        return self._affine(x, stats, scale, offset)
+
+    def grad_sums(self, dy, x, stats, scale):
+        # With the statistics as constants the kernel gives k·dy (kept), Σdy·x̂ and Σdy.
+        mean, var = stats
+        k_dy, sum_dy_xhat, sum_dy = tf.raw_ops.FusedBatchNormGradV3(
+            y_backprop=self.to_fused(dy), x=self.to_fused(x),
+            scale=tf.ones_like(mean) if scale is None else tf.cast(scale, tf.float32), reserve_space_1=mean,
+            reserve_space_2=var, reserve_space_3=tf.zeros([0], tf.float32), epsilon=self.eps, is_training=False,
+            data_format=self.fmt)[:3]
+        return _ops.wide(sum_dy), _ops.wide(sum_dy_xhat), k_dy
+
+    def input_grad(self, dy, x, stats, coeffs, k_dy):
+        _, s, t = coeffs  # dx = k·dy + (s·x̂ + t), the bracket one more kernel pass
+        return _like(k_dy, x) + self._affine(x, stats, s, t)
+
+
+class GraphChecks:
+    """:class:`hvd_syncbn.backend.Checks` as graph assertions that run before anything
+    downstream of the statistics (the moving-statistics updates included)."""
+
+    def __init__(self) -> None:
+        self.asserts: list = []
+
+    def require(self, ok, check: str, message: str) -> None:
+        # A string-only Assert is a plain op; assert_none_equal would add a cond per layer.
+        self.asserts.append(tf.debugging.Assert(ok, [message]))
+
+    def after(self, values):
+        with tf.control_dependencies(self.asserts):
+            return [tf.identity(v) for v in values]
+
+
+def _kernels(xs: Sequence[tf.Tensor], axes: Sequence[int], eps: float, weight: Optional[tf.Tensor]):
+    layout = _fused_layout(xs[0], axes) if weight is None else None
+    return FusedKernels(axes, eps, layout) if layout else CompositeKernels(axes, eps, weight)
+
+
+def _renorm_affine(renorm: Callable, gamma: Optional[tf.Tensor], beta: Optional[tf.Tensor], applied: dict):
+    """Batch renormalization's ``affine(mean, var) -> (scale, offset)`` for the driver:
+    ``y = (x̂·r + d)·γ + β`` with ``r`` and ``d`` constants of the gradient, as in Keras;
+    ``applied`` receives ``r``, ``d`` and the scale, for the gradient."""
+
+    def affine(mean: tf.Tensor, var: tf.Tensor):
+        r, d = (tf.stop_gradient(tf.reshape(t, [-1])) for t in renorm(mean, var))
+        scale, offset = (r, d) if gamma is None else (r * gamma, d * gamma)
+        applied.update(r=r, d=d, scale=scale)
+        return scale, offset if beta is None else offset + beta
+
+    return affine
+
+
 def _sync_normalize(
     xs: Sequence[tf.Tensor],
     gamma: Optional[tf.Tensor],
@@ -203,112 +308,62 @@ def _sync_normalize(
     epsilon: float,
     name: str,
     process_set: Any = None,
-    masks: Optional[Sequence[Optional[tf.Tensor]]] = None,
+    mask: Optional[tf.Tensor] = None,
     comm: Optional[str] = None,
     check_finite: bool = False,
     renorm: Optional[Callable[[tf.Tensor, tf.Tensor], Tuple[tf.Tensor, tf.Tensor]]] = None,
 ) -> Tuple[list, tf.Tensor, tf.Tensor, tf.Tensor]:
     """Normalise every part ``xs[i]`` (towers of one process) with the statistics of all
-    parts on every rank. The parts' buffers are summed in-process, then one allreduce
-    per direction crosses the ranks; the gradient is written by hand.
+    parts on every rank (:func:`hvd_syncbn.backend.forward`), with a hand-written
+    gradient (:func:`hvd_syncbn.backend.backward`). The parts' buffers are summed
+    in-process, then one allreduce per direction crosses the ranks.
 
     ``renorm(mean, variance) -> (r, d)``, given the global statistics, turns this into
-    batch renormalization: ``y = (x̂·r + d)·γ + β`` with ``r`` and ``d`` constants of
-    the gradient, as in Keras.
+    batch renormalization (:func:`_renorm_affine`).
 
-    Returns ``([y_i], mean, variance, count)``, the statistics global and biased,
+    Returns ``([y_i], mean, variance, count)``, the statistics global, biased and float64,
     ``count`` the global number of rows as ``(1,)``.
 
     Shape:
         - xs[i]: any rank, same channel dims; ``axes`` are the reduction axes.
         - gamma, beta: ``C`` elements in any shape; returned mean, variance: ``(C,)``.
-        - masks[i]: broadcastable to ``xs[i]``; 0 leaves a position out of the statistics.
+        - mask: broadcastable to ``xs[0]`` (one part only); 0 leaves a position out of the statistics.
 
     Raises (as ``InvalidArgumentError`` in graphs) on a global batch of one row and, with
     ``check_finite``, on non-finite statistics, before anything downstream runs.
     """
     tf_comm.refuse_xla(f"SyncBatchNormalization {name!r}")
     channels = int(np.prod([d or -1 for a, d in enumerate(xs[0].shape) if a not in axes]))
-    allreduce = _allreduce_sum(tf_comm.resolve(comm, process_set, name), name, xs[0], channels)
+    reduce = _allreduce_sum(tf_comm.resolve(comm, process_set, name), name, xs[0], channels)
+    weight = None if mask is None else tf.cast(mask, xs[0].dtype)
+    step = backend.Step(_ops, _kernels(xs, axes, epsilon, weight), reduce, GraphChecks(), epsilon, name)
     parts = len(xs)
-    weights = [None if m is None else tf.cast(m, x.dtype) for x, m in zip(xs, masks or [None] * parts)]
     params = [tf.reshape(t, [-1]) for t in (gamma, beta) if t is not None]
-    fused = _fused_layout(xs[0], axes) if all(w is None for w in weights) else None
 
     @tf.custom_gradient
-    def _fn(*inputs):
+    def op(*inputs):
         xs, params = inputs[:parts], inputs[parts:]
         g = params[0] if gamma is not None else None
         b = params[-1] if beta is not None else None
-        if fused:
-            to_fused, fmt = fused
-            x4s = [to_fused(x) for x in xs]
-            moments = [_fused_moments(x, axes, x4, fmt) for x, x4 in zip(xs, x4s)]
-        else:
-            moments = [backend.local_moments(_ops, x, axes, None if w is None else w * tf.ones_like(x))
-                       for x, w in zip(xs, weights)]
-        local = [backend.pack_moments(_ops, *m) for m in moments]
-        total, mean, var = backend.unpack_moments(
-            _ops, allreduce(tf.add_n(local), "fwd")
-        )
-        # A string-only Assert is a plain op; assert_none_equal would add a cond per layer.
-        checks = [tf.debugging.Assert(tf.reduce_all(tf.not_equal(total, 1.0)), [backend.single_row_message(name)])]
-        if check_finite:
-            checks.append(tf.debugging.assert_all_finite(mean + var, backend.non_finite_message(name)))
-        with tf.control_dependencies(checks):  # nothing downstream (updates included) runs first
-            total, mean, var = (tf.identity(t) for t in (total, mean, var))
-        dtype = xs[0].dtype
-        total, mean, var = (tf.cast(t, dtype) for t in (total, mean, var))
-        invstd = tf.math.rsqrt(var + epsilon)
-        scale, offset = g, b  # of x̂: γ and β, or with renorm r·γ and d·γ + β
-        if renorm is not None:
-            r, d = (tf.stop_gradient(tf.reshape(t, [-1])) for t in renorm(mean, var))
-            scale, offset = (r, d) if g is None else (r * g, d * g)
-            offset = offset if b is None else offset + b
-        if fused:  # one kernel pass forward, one (plus one for the global terms) backward
-            ones = tf.ones_like(mean) if scale is None else scale
-            zeros = tf.zeros_like(mean) if offset is None else offset
-            ys = [_like(_fused_affine(x4, mean, var, epsilon, ones, zeros, fmt), x) for x, x4 in zip(xs, x4s)]
-        else:
-            xhats = [(x - _keep(mean, x, axes)) * _keep(invstd, x, axes) for x in xs]
-            ys = [_scale_shift(xhat, scale, offset, axes) for xhat in xhats]
+        applied: dict = {}
+        affine = None if renorm is None else _renorm_affine(renorm, g, b, applied)
+        ys, (count, mean, var), stats = backend.forward(step, xs, g, b, check_finite, affine)
 
-        def grad(*upstream):
-            dys = upstream[:parts]  # the rest are d(mean), d(variance), d(count): not differentiated
-            if fused:
-                # With the statistics as constants the kernel gives k·dy, Σdy·x̂ and Σdy.
-                kernel = [tf.raw_ops.FusedBatchNormGradV3(
-                    y_backprop=to_fused(dy), x=x4, scale=ones, reserve_space_1=mean, reserve_space_2=var,
-                    reserve_space_3=tf.zeros([0], dtype), epsilon=epsilon, is_training=False, data_format=fmt)[:3]
-                    for dy, x4 in zip(dys, x4s)]
-                sums = [(db, dg) for _, dg, db in kernel]
-            else:
-                # Masked positions are normalised too: their dy enters every sum, while
-                # only unmasked positions moved the statistics (hence ``w`` below).
-                sums = [(_sum(dy, axes), _sum(dy * xhat, axes)) for dy, xhat in zip(dys, xhats)]
-            g_dy, g_dy_xhat = backend.unpack_grad_sums(allreduce(
-                tf.add_n([backend.pack_grad_sums(_ops, *s) for s in sums]), "bwd"
-            ))
-            k, s, t = backend.input_grad_coeffs(_ops, total, invstd, scale, g_dy, g_dy_xhat)
-            if fused:  # dx = k·dy + (s·x̂ + t), the bracket one more kernel pass
-                dxs = [_like(k_dy + _fused_affine(x4, mean, var, epsilon, s, t, fmt), x)
-                       for x, x4, (k_dy, _, _) in zip(xs, x4s, kernel)]
-            else:
-                dxs = []
-                for x, xhat, dy, w in zip(xs, xhats, dys, weights):
-                    stat = _keep(s, x, axes) * xhat + _keep(t, x, axes)
-                    dxs.append(_keep(k, x, axes) * dy + (stat if w is None else stat * w))
+        def grad(*upstream):  # d(mean), d(variance), d(count) are not differentiated
+            scale = applied.get("scale", g)
+            dxs, sum_dy, sum_dy_xhat = backend.backward(step, upstream[:parts], xs, count, var, stats,
+                                                        None if scale is None else _ops.wide(scale))
             dparams = []
-            sum_dy, sum_dy_xhat = (tf.add_n([s[i] for s in sums]) for i in (0, 1))
             if g is not None:  # under renorm y = x̂·r·γ + d·γ + β
+                r, d = (_ops.wide(applied[k]) for k in "rd") if renorm is not None else (None, None)
                 dparams.append(sum_dy_xhat if renorm is None else r * sum_dy_xhat + d * sum_dy)
             if b is not None:
                 dparams.append(sum_dy)
-            return _first_order(name, *dxs, *dparams)
+            return _first_order(name, *dxs, *(tf.cast(d, p.dtype) for d, p in zip(dparams, params)))
 
-        return (*ys, mean, var, total), grad
+        return (*ys, mean, var, count), grad
 
-    out = _fn(*xs, *params)
+    out = op(*xs, *params)
     return list(out[:parts]), out[parts], out[parts + 1], out[parts + 2]
 
 
@@ -338,5 +393,6 @@ def sync_batch_normalization(x, offset, scale, variance_epsilon, axis=-1, name="
     parts = list(x) if isinstance(x, (list, tuple)) else [x]
     _, axes = _split_axes(len(parts[0].shape), axis, name)
     ys, mean, var, _ = _sync_normalize([tf.convert_to_tensor(p) for p in parts], scale, offset, axes,
-                                    variance_epsilon, name, process_set, comm=comm)
+                                       variance_epsilon, name, process_set, comm=comm)
+    mean, var = (tf.cast(v, ys[0].dtype) for v in (mean, var))
     return (ys if isinstance(x, (list, tuple)) else ys[0]), mean, var

@@ -115,17 +115,17 @@ class DeviceKernels:
         w, b = (p if p is None or p.dtype == self.acc else p.to(self.acc) for p in (scale, offset))
         return torch.batch_norm(x, w, b, stats.mean, stats.var, False, 0.0, self.eps, torch.backends.cudnn.enabled)
 
-    def grad_sums(self, dy: Tensor, x: Tensor, stats: Stats) -> tuple:
+    def grad_sums(self, dy: Tensor, x: Tensor, stats: Stats, scale: Any) -> tuple:
         if x.numel() == 0:  # zeros from dy: with constants AOTAutograd would move the collective forward
             sum_dy_xhat = sum_dy = dy.to(stats.mean.dtype).sum(reduced_dims(x))
         else:
             _, sum_dy_xhat, sum_dy = torch.ops.aten.native_batch_norm_backward(
                 dy, x, None, None, None, stats.mean, stats.invstd, True, self.eps, [False, True, True])
-        return self.wide(sum_dy), self.wide(sum_dy_xhat)
+        return self.wide(sum_dy), self.wide(sum_dy_xhat), None
 
-    def input_grad(self, dy: Tensor, x: Tensor, stats: Stats, k: Any, s: Any, t: Any) -> Tensor:
+    def input_grad(self, dy: Tensor, x: Tensor, stats: Stats, coeffs: tuple, kept: Any) -> Tensor:
         # s·x̂ + t through the native kernel (it normalises x with mean/var), then + k·dy.
-        dtype = stats.mean.dtype
+        (k, s, t), dtype = coeffs, stats.mean.dtype
         dx = torch.batch_norm(x, self.vector(s, dtype), self.vector(t, dtype), stats.mean, stats.var, False, 0.0,
                               self.eps, torch.backends.cudnn.enabled)
         return torch.addcmul(dx, dy, per_channel(self.vector(k, dtype).to(x.dtype), x))
