@@ -140,6 +140,11 @@ def needs_float64(xp: ArrayOps, mean: Tensor, var: Tensor) -> Any:
     return xp.any(mean * mean > (MEAN_RATIO_FOR_FLOAT64**2) * var)
 
 
+def moments_size(channels: int) -> int:
+    """The length of a :func:`pack_moments` buffer: ``2C + 1``."""
+    return 2 * channels + 1
+
+
 def pack_moments(xp: ArrayOps, count: Tensor, mean: Tensor, var: Tensor) -> Tensor:
     """One float64 buffer ``[n, n·mean, n·(var + mean²)]`` of local moments.
 

@@ -29,6 +29,8 @@ from typing import Any, Callable, List, Optional
 
 import numpy as np
 
+from hvd_syncbn import backend
+
 log = logging.getLogger("hvd_syncbn")
 
 TIMEOUT_ENV = "HVD_SYNCBN_TIMEOUT"
@@ -259,8 +261,8 @@ def allreduce(comm: Communicator, payload: Any, call: Call, timeout: Optional[fl
 
 def poison(comm: Communicator, call: Call, problem: str, error: type = SyncBatchNormInputError,
            cause: Optional[BaseException] = None, join: Join = prepend) -> None:
-    """Join the forward collective this rank owes (``2·call.channels + 1`` values, as
-    :func:`hvd_syncbn.backend.pack_moments` packs) with a header no peer can match, so
+    """Join the forward collective this rank owes (:func:`hvd_syncbn.backend.moments_size`
+    values) with a header no peer can match, so
     that every rank fails together and learns ``problem`` instead of waiting for it.
 
     Raises ``error`` here (:class:`SyncBatchNormInputError` for this rank's bad input),
@@ -271,7 +273,7 @@ def poison(comm: Communicator, call: Call, problem: str, error: type = SyncBatch
     head, since = [-1.0, 1.0], time.monotonic()
     stuck = True
     try:
-        handle = comm.start(join(head, np.zeros(2 * call.channels + 1)), call.name)
+        handle = comm.start(join(head, np.zeros(backend.moments_size(call.channels))), call.name)
         stuck = not _wait(comm, handle, since + get_timeout())
         comm.result(handle)
     except Exception:  # noqa: BLE001 - the diagnosis below says what happened

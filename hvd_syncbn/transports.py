@@ -1,9 +1,13 @@
-"""Which transport carries a layer's statistics, and the MPI one.
+"""Which transport carries a layer's statistics: a registry per framework, and MPI.
 
-A layer's ``comm`` argument (else ``$HVD_SYNCBN_COMM``, else ``auto``) names Horovod, MPI
-(mpi4py) or, for PyTorch, ``torch.distributed``; :func:`resolve` builds one communicator
-per transport and group of ranks per process. The adapters pass in their framework's
-state and builders; this module imports no framework.
+A layer's ``comm`` argument (else ``$HVD_SYNCBN_COMM``, else ``auto``) names a
+:class:`Transport` in its framework's :class:`Registry` (or is a :class:`Communicator`
+to use as it is). Under ``auto`` the registry takes the first transport, in registration
+order, that can work here: for PyTorch ``torch.distributed`` if a process group exists,
+then MPI under mpirun with mpi4py, then Horovod after ``hvd.init()``; with none, the
+process is alone. The registry builds one communicator per transport and group of ranks
+per process. Adding a transport is one :class:`Transport` subclass and one
+:meth:`Registry.register`. This module imports no framework.
 """
 
 from __future__ import annotations
@@ -11,7 +15,8 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
-from typing import Any, Callable, List, Optional, Tuple
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 
@@ -21,6 +26,7 @@ log = logging.getLogger("hvd_syncbn")
 
 COMM_ENV = "HVD_SYNCBN_COMM"
 KINDS = ("auto", "horovod", "mpi", "torch")
+"""What ``comm`` may name: ``auto`` and every transport any adapter registers."""
 
 
 def requested_kind(kind: Any) -> Any:
@@ -42,68 +48,125 @@ def launched_by_mpirun() -> bool:
     return any(k in os.environ for k in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK"))
 
 
-def choose(kind: Any, horovod: Optional[Tuple[int, int]], process_group: bool = False) -> Tuple[Any, str]:
-    """The documented rule: ``(transport, why)`` for a layer's ``comm`` argument.
-
-    ``horovod`` is Horovod's ``(size, rank)`` if initialised; ``process_group`` says
-    whether a ``torch.distributed`` default group exists. Under ``auto``: torch if a
-    group exists, else MPI if usable, else Horovod, else ``None`` (this process is alone).
-    """
-    want = requested_kind(kind)
-    if want != "auto":
-        return want, "requested"
-    if process_group:
-        return "torch", "a torch.distributed process group exists"
-    why = mpi_usable(*(horovod or (None, None)))
-    if not why:
-        return "mpi", "launched by mpirun with mpi4py"
-    return ("horovod" if horovod else None), why
-
-
-_cache: dict = {}
-
-
-def _cached(key: Any, build: Callable[[], "Communicator"], why: str) -> "Communicator":
-    """One communicator per ``key`` per process; the first one built is logged on rank 0."""
-    if key not in _cache:
-        _cache[key] = build()
-        if len(_cache) == 1 and _cache[key].rank == 0:
-            log.warning("hvd_syncbn: statistics travel over %s (%s; set %s to change)", key[0], why, COMM_ENV)
-    return _cache[key]
-
-
-def resolve(kind: Any, layer: str, horovod: Optional[Tuple[int, int]], key: Any, ranks: Optional[List[int]],
-            build_horovod: Callable[[], Communicator], build_torch: Optional[Callable[[], Communicator]] = None,
-            process_group: bool = False) -> Optional[Communicator]:
-    """The communicator for a layer's ``comm`` argument (see :func:`choose`), one per
-    transport and ``key`` per process, or ``None`` when this process is alone.
+@dataclass(frozen=True)
+class Request:
+    """A layer's request for a communicator, as its adapter sees this process.
 
     Args:
-        kind: the layer's ``comm`` argument.
         layer: the layer's name, for errors.
-        horovod: Horovod's ``(size, rank)`` if initialised, else ``None``.
-        key: what identifies the group of ranks (e.g. a process set's id).
-        ranks: that group's ranks in ``MPI_COMM_WORLD`` (``None``: all).
-        build_horovod, build_torch: make the framework's transports (``build_torch``
-            ``None`` where the framework has no such transport).
+        horovod: Horovod's ``(size, rank)`` if ``hvd.init()`` has run, else ``None``.
         process_group: whether a ``torch.distributed`` default group exists.
-
-    Raises ``RuntimeError`` when the requested transport cannot work here, saying why.
+        group: the layer's group of ranks as its framework names it (a Horovod process
+            set, a ``torch.distributed`` group), ``None`` for all.
+        key: what identifies that group (communicators are built once per transport and key).
+        ranks: that group's ranks in ``MPI_COMM_WORLD`` (``None``: all).
     """
-    want, why = choose(kind, horovod, process_group)
-    if want is None or isinstance(want, Communicator):
-        return want if want is not None and want.size > 1 else None
-    if want == "horovod" and horovod is None:
-        raise RuntimeError(f"{layer}: comm='horovod' needs hvd.init() first")
-    if want == "torch" and build_torch is None:
-        raise ValueError(f"{layer}: comm='torch' is PyTorch's; with TensorFlow use 'horovod', 'mpi' or 'auto'")
-    if want == "mpi":
-        unusable = mpi_usable(*(horovod or (None, None)))
-        if unusable:
-            raise RuntimeError(f"{layer}: comm='mpi' is not usable here: {unusable}")
-    builders = {"horovod": build_horovod, "torch": build_torch, "mpi": lambda: MpiCommunicator(ranks)}
-    comm = _cached((want, key), builders[want], why)
-    return comm if comm.size > 1 else None
+
+    layer: str
+    horovod: Optional[Tuple[int, int]] = None
+    process_group: bool = False
+    group: Any = None
+    key: Any = None
+    ranks: Optional[List[int]] = None
+
+
+class Transport:
+    """One way statistics travel. Subclasses set :attr:`name` and :attr:`chosen_because`
+    and implement :meth:`unavailable` and :meth:`build`; the capability flags live on the
+    communicators they build (``device_buffers``, ``traceable``)."""
+
+    name = "?"
+    chosen_because = ""
+    """Why ``auto`` took it, for the log line."""
+
+    def unavailable(self, request: Request) -> Optional[str]:
+        """Why it cannot work here when asked for by name (``None``: it can)."""
+        return None
+
+    def auto_unavailable(self, request: Request) -> Optional[str]:
+        """Why ``auto`` passes it over (``None``: ``auto`` takes it)."""
+        return self.unavailable(request)
+
+    def build(self, request: Request, registry: "Registry") -> Communicator:
+        raise NotImplementedError
+
+
+class MpiTransport(Transport):
+    """mpi4py, under an MPI launcher (:class:`MpiCommunicator`)."""
+
+    name, chosen_because = "mpi", "launched by mpirun with mpi4py"
+
+    def unavailable(self, request: Request) -> Optional[str]:
+        return mpi_usable(*(request.horovod or (None, None))) or None
+
+    def build(self, request: Request, registry: "Registry") -> Communicator:
+        return MpiCommunicator(request.ranks)
+
+
+class HorovodTransport(Transport):
+    """Horovod's allreduce; the adapters build their framework's communicator."""
+
+    name, chosen_because = "horovod", "hvd.init() has run"
+
+    def unavailable(self, request: Request) -> Optional[str]:
+        return None if request.horovod else "it needs hvd.init() first"
+
+
+class Registry:
+    """A framework's transports, in ``auto``'s order of preference, and the
+    communicators built from them: one per transport and group of ranks per process."""
+
+    def __init__(self, framework: str, *transports: Transport) -> None:
+        self.framework = framework
+        self.transports: Dict[str, Transport] = {}
+        self.built: Dict[Any, Communicator] = {}
+        for t in transports:
+            self.register(t)
+
+    def register(self, transport: Transport) -> None:
+        """Add ``transport`` (after those registered before it, for ``auto``)."""
+        self.transports[transport.name] = transport
+
+    def choose(self, kind: Any, request: Request) -> Tuple[Any, str]:
+        """``(transport, why)`` for a layer's ``comm``: a :class:`Communicator` as it is, a
+        named transport, or under ``auto`` the first that works here (``None`` if none)."""
+        want = requested_kind(kind)
+        if isinstance(want, Communicator):
+            return want, "requested"
+        if want != "auto":
+            if want not in self.transports:
+                names = ", ".join(repr(n) for n in ("auto", *self.transports))
+                raise ValueError(f"{request.layer}: comm={want!r} is not a {self.framework} transport; "
+                                 f"with {self.framework} use {names}")
+            return self.transports[want], "requested"
+        passed = []
+        for transport in self.transports.values():
+            why = transport.auto_unavailable(request)
+            if why is None:
+                return transport, "; ".join([transport.chosen_because, *passed])
+            passed.append(f"not {transport.name}: {why}")
+        return None, "; ".join(passed)
+
+    def resolve(self, kind: Any, request: Request) -> Optional[Communicator]:
+        """The communicator for a layer's ``comm`` (see :meth:`choose`), or ``None`` when
+        this process is alone. Raises ``RuntimeError`` when the requested transport
+        cannot work here, saying why."""
+        chosen, why = self.choose(kind, request)
+        if chosen is None or isinstance(chosen, Communicator):
+            return chosen if chosen is not None and chosen.size > 1 else None
+        problem = chosen.unavailable(request)
+        if problem:
+            raise RuntimeError(f"{request.layer}: comm={chosen.name!r} is not usable here: {problem}")
+        comm = self.cached((chosen.name, request.key), lambda: chosen.build(request, self), why)
+        return comm if comm.size > 1 else None
+
+    def cached(self, key: Any, build: Callable[[], Communicator], why: str = "") -> Communicator:
+        """The communicator built for ``key``, built now if new (the first one logged on rank 0)."""
+        if key not in self.built:
+            self.built[key] = build()
+            if len(self.built) == 1 and self.built[key].rank == 0:
+                log.warning("hvd_syncbn: statistics travel over %s (%s; set %s to change)", key[0], why, COMM_ENV)
+        return self.built[key]
 
 
 def not_a_member(layer: str, rank: int, ranks: Any) -> ValueError:

@@ -214,22 +214,54 @@ def test_make_call_counts_steps_per_communicator_and_direction():
 
 def test_transport_rule(monkeypatch):
     """The documented rule (README, How the statistics travel): a Communicator as it is;
-    under ``auto`` torch.distributed if a group exists, else MPI under mpirun, else
-    Horovod if initialised, else none."""
+    under ``auto`` the first registered transport that works here (for PyTorch:
+    torch.distributed if a group exists, else MPI under mpirun, else Horovod if
+    initialised), else none; a named one that cannot work raises, saying why."""
     for key in ("HVD_SYNCBN_COMM", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK"):
         monkeypatch.delenv(key, raising=False)
+
+    class TorchLike(transports.Transport):
+        name, chosen_because = "torch", "a process group exists"
+
+        def auto_unavailable(self, request):
+            return None if request.process_group else "no process group"
+
+    registry = transports.Registry("Test", TorchLike(), transports.MpiTransport(), transports.HorovodTransport())
+    alone, hvd_on = transports.Request("bn"), transports.Request("bn", horovod=(2, 0))
     mine = world(2)[0]
-    assert transports.choose(mine, None) == (mine, "requested")
-    assert transports.choose(None, None) == (None, "not launched by mpirun")
-    assert transports.choose("auto", (2, 0)) == ("horovod", "not launched by mpirun")
-    assert transports.choose(None, (2, 0), process_group=True)[0] == "torch"
+    assert registry.choose(mine, alone) == (mine, "requested")
+    assert registry.choose(None, alone) == (None, "not torch: no process group; not mpi: not launched by mpirun; "
+                                                  "not horovod: it needs hvd.init() first")
+    chosen, why = registry.choose("auto", hvd_on)
+    assert chosen.name == "horovod" and why.startswith("hvd.init() has run; not torch: no process group; not mpi:")
+    assert registry.choose(None, transports.Request("bn", (2, 0), process_group=True))[0].name == "torch"
     monkeypatch.setenv("HVD_SYNCBN_COMM", "horovod")
-    assert transports.choose(None, None) == ("horovod", "requested")
-    assert transports.resolve(mine, "bn", None, "k", None, build_horovod=None) is mine
-    assert transports.resolve(comm.LocalCommunicator(1), "bn", None, "k", None, build_horovod=None) is None
-    with pytest.raises(RuntimeError, match=r"bn: comm='horovod' needs hvd\.init\(\) first"):
-        transports.resolve(None, "bn", None, "k", None, build_horovod=None)
+    assert registry.choose(None, alone)[0].name == "horovod"
+    assert registry.resolve(mine, alone) is mine
+    assert registry.resolve(comm.LocalCommunicator(1), alone) is None
+    with pytest.raises(RuntimeError, match=r"bn: comm='horovod' is not usable here: it needs hvd\.init\(\) first"):
+        registry.resolve(None, alone)
     with pytest.raises(RuntimeError, match="bn: comm='mpi' is not usable here: not launched by mpirun"):
-        transports.resolve("mpi", "bn", None, "k", None, build_horovod=None)
-    with pytest.raises(ValueError, match="bn: comm='torch' is PyTorch's"):
-        transports.resolve("torch", "bn", None, "k", None, build_horovod=None)
+        registry.resolve("mpi", alone)
+    with pytest.raises(ValueError, match="bn: comm='torch' is not a TensorFlow transport; with TensorFlow use "
+                                         "'auto', 'mpi', 'horovod'"):
+        transports.Registry("TensorFlow", transports.MpiTransport(), transports.HorovodTransport()).resolve("torch", alone)
+
+
+def test_a_registered_transport_is_built_once_per_group_and_chosen_by_name():
+    """Adding a transport is one class and one registration; the registry builds its
+    communicator once per group key and hands the same one to every layer."""
+    built = []
+
+    class Threads(transports.Transport):
+        name = "torch"  # a name ``comm`` accepts
+
+        def build(self, request, registry):
+            built.append(request.key)
+            return world(2)[0]
+
+    registry = transports.Registry("Test")
+    registry.register(Threads())
+    first = registry.resolve("torch", transports.Request("a", key="g"))
+    assert registry.resolve("torch", transports.Request("b", key="g")) is first and built == ["g"]
+    assert registry.resolve("torch", transports.Request("c", key="h")) is not first and built == ["g", "h"]

@@ -1,8 +1,7 @@
-"""The TensorFlow transports of :mod:`hvd_syncbn.comm`: Horovod and MPI (mpi4py).
+"""The TensorFlow transports of :mod:`hvd_syncbn.comm`: MPI (mpi4py) and Horovod, in :data:`REGISTRY`.
 
 Buffers cross into Python through ``tf.numpy_function``, so both transports get the same
-deadline, identity check and diagnosis as in PyTorch. Chosen by :func:`resolve`, by the
-rule of :func:`hvd_syncbn.transports.choose`.
+deadline, identity check and diagnosis as in PyTorch. Chosen by :func:`resolve`.
 """
 
 from __future__ import annotations
@@ -124,6 +123,15 @@ def resolve_process_set(process_set: Any) -> Any:
     )
 
 
+class HorovodTransport(transports.HorovodTransport):
+    def build(self, request: transports.Request, registry: transports.Registry) -> base.Communicator:
+        return HorovodComm(request.group)
+
+
+REGISTRY = transports.Registry("TensorFlow", transports.MpiTransport(), HorovodTransport())
+"""TensorFlow's transports in ``auto``'s order: MPI under mpirun with mpi4py, then Horovod."""
+
+
 @tf.autograph.experimental.do_not_convert  # plain Python (MPI, Horovod): nothing for AutoGraph to trace
 def resolve(kind: Any, process_set: Any, layer: str) -> Optional[base.Communicator]:
     """The communicator for a layer, or ``None`` when this process is alone (plain BN)."""
@@ -131,6 +139,6 @@ def resolve(kind: Any, process_set: Any, layer: str) -> Optional[base.Communicat
     ps = resolve_process_set(process_set) if hvd_on and not isinstance(kind, base.Communicator) else None
     if ps is not None and not ps.included():
         raise transports.not_a_member(layer, hvd.rank(), ps.ranks)
-    return transports.resolve(kind, layer, (hvd.size(), hvd.rank()) if hvd_on else None,
-                              ("tf", None if ps is None else ps.process_set_id),
-                              None if ps is None else list(ps.ranks), lambda: HorovodComm(ps))
+    request = transports.Request(layer, (hvd.size(), hvd.rank()) if hvd_on else None, False, ps,
+                                 None if ps is None else ps.process_set_id, None if ps is None else list(ps.ranks))
+    return REGISTRY.resolve(kind, request)

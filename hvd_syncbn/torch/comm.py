@@ -1,6 +1,7 @@
-"""The PyTorch transports of :mod:`hvd_syncbn.comm`: Horovod, MPI (mpi4py) and torch.distributed.
+"""The PyTorch transports of :mod:`hvd_syncbn.comm`: ``torch.distributed``, MPI (mpi4py)
+and Horovod, registered in that order (``auto``'s) in :data:`REGISTRY`.
 
-Chosen per layer call by :func:`resolve`, by the rule of :func:`hvd_syncbn.transports.choose`.
+Chosen per layer call by :func:`resolve`.
 """
 
 from __future__ import annotations
@@ -101,14 +102,55 @@ class PrivateGroupComm(TorchDistComm):
         self.over.abort()
 
 
-_private: dict = {}
+class TorchTransport(transports.Transport):
+    """``torch.distributed``: the default group (or the layer's ``process_set`` as a
+    group); asked for by name with no process group, a private group over what ``auto``
+    picks among the others (:mod:`hvd_syncbn.torch.private_group`)."""
+
+    name, chosen_because = "torch", "a torch.distributed process group exists"
+
+    def auto_unavailable(self, request: transports.Request) -> Optional[str]:
+        return None if request.process_group else "no torch.distributed process group"
+
+    def build(self, request: transports.Request, registry: transports.Registry) -> base.Communicator:
+        group, layer = request.group, request.layer
+        if not request.process_group:
+            return _private_over_auto(request, registry)
+        if group is not None and not isinstance(group, dist.ProcessGroup):
+            raise ValueError(
+                f"{layer}: with comm='torch', expected process_set to be a torch.distributed "
+                f"ProcessGroup (from dist.new_group), got {type(group).__name__}"
+            )
+        if group is not None and dist.get_rank(group) < 0:
+            raise transports.not_a_member(layer, dist.get_rank(), dist.get_process_group_ranks(group))
+        return TorchDistComm(group)
+
+
+class HorovodTransport(transports.HorovodTransport):
+    def build(self, request: transports.Request, registry: transports.Registry) -> base.Communicator:
+        return HorovodComm(request.group if request.group is not None else hvd.global_process_set)
+
+
+REGISTRY = transports.Registry("PyTorch", TorchTransport(), transports.MpiTransport(), HorovodTransport())
 
 
 def private_comm(over: base.Communicator) -> PrivateGroupComm:
     """The private group over ``over``, built on first use, once per communicator."""
-    if id(over) not in _private:
-        _private[id(over)] = PrivateGroupComm(over)
-    return _private[id(over)]
+    return REGISTRY.cached(("private", id(over)), lambda: PrivateGroupComm(over))
+
+
+def _private_over_auto(request: transports.Request, registry: transports.Registry) -> base.Communicator:
+    """``comm='torch'`` with no process group: a private one over the transport ``auto``
+    picks (MPI or Horovod); alone (one rank) a communicator of one."""
+    over, why = registry.choose("auto", request)
+    if not private_group.enabled():
+        over, why = None, f"{private_group.ENV}=0"
+    if over is None:
+        raise RuntimeError(
+            f"{request.layer}: comm='torch' needs torch.distributed.init_process_group() first, or a job started "
+            f"by mpirun (with mpi4py) or horovodrun (after hvd.init()) to build a private group over ({why})")
+    over = registry.resolve("auto", request)
+    return base.LocalCommunicator(size=1) if over is None else private_comm(over)
 
 
 _resolved: dict = {}
@@ -137,7 +179,7 @@ def resolve(kind: Any, process_set: Any, layer: str, nccl: bool = False) -> Opti
              dist.is_available() and dist.is_initialized(), _set_key(process_set), nccl,
              os.environ.get(private_group.ENV))
     if state not in _resolved:
-        comm = _resolve(kind, process_set, layer, hvd_on)
+        comm = REGISTRY.resolve(kind, _request(process_set, layer, hvd_on))
         if nccl and comm is not None and comm.kind in ("mpi", "horovod") and dist.is_nccl_available() \
                 and private_group.enabled() and transports.requested_kind(kind) == "auto":
             comm = private_comm(comm)
@@ -145,14 +187,12 @@ def resolve(kind: Any, process_set: Any, layer: str, nccl: bool = False) -> Opti
     return _resolved[state]
 
 
-def _resolve(kind: Any, process_set: Any, layer: str, hvd_on: bool) -> Optional[base.Communicator]:
+def _request(process_set: Any, layer: str, hvd_on: bool) -> transports.Request:
     if hvd_on and isinstance(process_set, hvd.ProcessSet) and not process_set.included():
         raise transports.not_a_member(layer, hvd.rank(), process_set.ranks)
-    group = process_set if process_set is not None else hvd.global_process_set if hvd_on else None
     pg_exists = dist.is_available() and dist.is_initialized()  # in the key: comm='torch' is a private group without
-    return transports.resolve(
-        kind, layer, (hvd.size(), hvd.rank()) if hvd_on else None, ("torch", _set_key(process_set), pg_exists),
-        _ranks(process_set), lambda: HorovodComm(group), lambda: _torch_dist(process_set, layer, hvd_on), pg_exists)
+    return transports.Request(layer, (hvd.size(), hvd.rank()) if hvd_on else None, pg_exists, process_set,
+                              (_set_key(process_set), pg_exists), _ranks(process_set))
 
 
 def _set_key(process_set: Any) -> Any:
@@ -170,30 +210,3 @@ def _ranks(process_set: Any) -> Optional[list]:
     if isinstance(process_set, dist.ProcessGroup):
         return dist.get_process_group_ranks(process_set)
     return list(process_set.ranks)
-
-
-def _torch_dist(process_set: Any, layer: str, hvd_on: bool) -> base.Communicator:
-    if not (dist.is_available() and dist.is_initialized()):
-        return _private_torch(process_set, layer, hvd_on)
-    if process_set is not None and not isinstance(process_set, dist.ProcessGroup):
-        raise ValueError(
-            f"{layer}: with comm='torch', expected process_set to be a torch.distributed "
-            f"ProcessGroup (from dist.new_group), got {type(process_set).__name__}"
-        )
-    if process_set is not None and dist.get_rank(process_set) < 0:
-        raise transports.not_a_member(layer, dist.get_rank(), dist.get_process_group_ranks(process_set))
-    return TorchDistComm(process_set)
-
-
-def _private_torch(process_set: Any, layer: str, hvd_on: bool) -> base.Communicator:
-    """``comm='torch'`` with no process group: a private one over the transport ``auto``
-    picks (MPI or Horovod); alone (one rank) a communicator of one."""
-    want, why = transports.choose("auto", (hvd.size(), hvd.rank()) if hvd_on else None)
-    if not private_group.enabled():
-        want, why = None, f"{private_group.ENV}=0"
-    if want is None:
-        raise RuntimeError(
-            f"{layer}: comm='torch' needs torch.distributed.init_process_group() first, or a job started by "
-            f"mpirun (with mpi4py) or horovodrun (after hvd.init()) to build a private group over ({why})")
-    over = _resolve("auto", process_set, layer, hvd_on)
-    return base.LocalCommunicator(size=1) if over is None else private_comm(over)
