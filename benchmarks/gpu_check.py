@@ -43,7 +43,7 @@ from torch import nn
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from hvd_syncbn.torch import SyncBatchNorm, convert_sync_batchnorm  # noqa: E402
-from hvd_syncbn.torch.comm import TorchDistComm  # noqa: E402
+from hvd_syncbn.torch.transports import TorchDistComm  # noqa: E402
 
 try:
     from common import SHAPES
@@ -265,7 +265,7 @@ def private_group_alone(device) -> None:
     if importlib.util.find_spec("mpi4py") is None:
         row("private group, 1 rank", "over MPI", "skipped: no mpi4py here")
         return
-    from hvd_syncbn.torch.comm import private_comm
+    from hvd_syncbn.torch.transports import private_comm
     from hvd_syncbn.transports import MpiCommunicator
 
     setting = f"over MPI ({'NCCL' if device.type == 'cuda' else 'Gloo'}), {device.type} tensors"

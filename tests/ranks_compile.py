@@ -26,7 +26,8 @@ from torch import nn
 
 import torch.distributed as dist
 from hvd_syncbn import comm as transport
-from hvd_syncbn.torch import SyncBatchNorm, comm as torch_comm, convert_sync_batchnorm
+from hvd_syncbn.torch import SyncBatchNorm, convert_sync_batchnorm
+from hvd_syncbn.torch import transports as torch_transports
 from oracle import EMPTY, UNEQUAL, assert_close, global_batch, shard_sizes, shard_slice
 
 RANK, WORLD = MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
@@ -99,7 +100,7 @@ def transport_of(model) -> str:
     """What carries the model's statistics: ``private`` (a private group), ``torch``
     (the user's group), ``mpi`` or ``horovod``."""
     comm = model[1]._resolve_comm()
-    return "private" if isinstance(comm, torch_comm.PrivateGroupComm) else comm.kind
+    return "private" if isinstance(comm, torch_transports.PrivateGroupComm) else comm.kind
 
 
 # Over torch, the private group first: init_process_group runs after its tests.
@@ -148,11 +149,11 @@ if COMM == "torch":
         user's own Gloo group, for the tests below."""
         global EXPECTED
         assert not dist.is_initialized()
-        assert torch_comm.resolve("auto", None, "probe").kind == "mpi"
+        assert torch_transports.resolve("auto", None, "probe").kind == "mpi"
         dist.init_process_group("gloo", init_method=os.environ["HVD_SYNCBN_TEST_INIT"], rank=RANK,
                                 world_size=WORLD, timeout=datetime.timedelta(seconds=300))  # fails, not hangs
         EXPECTED = "torch"
-        assert torch_comm.resolve("auto", None, "probe").kind == "torch"
+        assert torch_transports.resolve("auto", None, "probe").kind == "torch"
 
     @pytest.mark.parametrize("mode", MODES)
     def test_on_the_users_group_converted_cnn_matches_plain_bn_on_the_whole_batch(mode):

@@ -768,8 +768,8 @@ def test_nan_input_follows_keras_or_raises_with_check_finite():
 def test_transport_follows_the_documented_rule():
     """$HVD_SYNCBN_COMM if set, else MPI under mpirun, else Horovod; none when alone."""
     from hvd_syncbn import transports
-    from hvd_syncbn.tensorflow import comm as tf_comm
+    from hvd_syncbn.tensorflow import transports as tf_transports
 
     want = os.environ.get("HVD_SYNCBN_COMM") or ("mpi" if transports.launched_by_mpirun() else "horovod")
-    chosen = tf_comm.resolve(None, None, "rule_bn")
+    chosen = tf_transports.resolve(None, None, "rule_bn")
     assert (chosen is None) == (WORLD == 1) and (chosen is None or chosen.kind == want), (chosen, want)

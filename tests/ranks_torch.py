@@ -418,7 +418,7 @@ def test_cuda_statistics_take_a_private_group_over_the_transport(monkeypatch):
     or on the user's torch.distributed group, nothing is built."""
     import torch.distributed as dist
     import torch.distributed._functional_collectives as funcol
-    from hvd_syncbn.torch import comm as torch_comm
+    from hvd_syncbn.torch import transports as torch_transports
 
     monkeypatch.setattr(dist, "is_nccl_available", lambda: True)  # as in a CUDA build of torch
     over, comm = SyncBatchNorm(4, name="nccl.bn")._comm(), SyncBatchNorm(4, name="nccl.bn")._comm(nccl=True)
@@ -426,7 +426,7 @@ def test_cuda_statistics_take_a_private_group_over_the_transport(monkeypatch):
         assert comm is over, (comm, over)
         return
     assert SyncBatchNorm(4, name="nccl.bn", comm=over.kind)._comm(nccl=True) is over
-    assert isinstance(comm, torch_comm.PrivateGroupComm) and comm.over is over, (comm, over)
+    assert isinstance(comm, torch_transports.PrivateGroupComm) and comm.over is over, (comm, over)
     total = [WORLD * (WORLD + 1) / 2] * 3
     ones = torch.full((3,), RANK + 1.0, dtype=torch.float64)
     assert funcol.wait_tensor(funcol.all_reduce(ones, "sum", comm.group)).tolist() == total

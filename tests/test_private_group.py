@@ -15,8 +15,8 @@ import torch.distributed._functional_collectives as funcol  # noqa: E402
 
 from hvd_syncbn import comm as transport  # noqa: E402
 from hvd_syncbn.torch import SyncBatchNorm, private_group  # noqa: E402
-from hvd_syncbn.torch import comm as torch_comm  # noqa: E402
-from hvd_syncbn.torch.comm import PrivateGroupComm  # noqa: E402
+from hvd_syncbn.torch import transports as torch_transports  # noqa: E402
+from hvd_syncbn.torch.transports import PrivateGroupComm  # noqa: E402
 from conftest import collective_timeout, results, run  # noqa: E402
 
 
@@ -81,7 +81,7 @@ def test_the_address_option_is_what_the_ranks_connect_to(monkeypatch):
 def test_comm_torch_with_no_group_and_nothing_to_build_one_over_says_so(private, why, monkeypatch):
     for name in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK"):
         monkeypatch.delenv(name, raising=False)
-    monkeypatch.setattr(torch_comm, "_horovod_on", lambda: False)  # as if no hvd.init() in this process
+    monkeypatch.setattr(torch_transports, "_horovod_on", lambda: False)  # as if no hvd.init() in this process
     monkeypatch.setenv(private_group.ENV, private)
     with pytest.raises(RuntimeError, match=rf"comm='torch' needs torch.distributed.init_process_group\(\) first, "
                                            rf"or a job started by mpirun .* \(.*{why}.*\)"):

@@ -10,9 +10,9 @@ import numpy as np
 import tensorflow as tf
 
 from hvd_syncbn import backend
-from hvd_syncbn import comm as transport
-from hvd_syncbn import transports
-from hvd_syncbn.tensorflow import comm as tf_comm
+from hvd_syncbn.comm import Communicator, make_call, poison
+from hvd_syncbn.transports import requested_kind
+from hvd_syncbn.tensorflow import transports
 from hvd_syncbn.tensorflow.functional import _ops, _per_channel, _scale_shift, _split_axes, _sync_normalize
 
 
@@ -81,7 +81,7 @@ class SyncBatchNormalization(keras.layers.BatchNormalization):
         self.process_set = process_set
         self.comm = comm
         self.check_finite = bool(check_finite)
-        transports.requested_kind(comm)
+        requested_kind(comm)
         # The statistics cross on the host, which XLA cannot compile: Keras's default
         # jit_compile="auto" (XLA where a GPU is listed) then resolves to False.
         self.supports_jit = False
@@ -134,11 +134,11 @@ class SyncBatchNormalization(keras.layers.BatchNormalization):
     def _fail_everywhere(self, inputs, problem: str) -> None:
         """Raise ``problem``; in training with peers, after joining the forward collective
         with a poisoned header, so that every rank raises it instead of waiting."""
-        comm = tf_comm.resolve(self.comm, self.process_set, self.name)
+        comm = transports.resolve(self.comm, self.process_set, self.name)
         if comm is not None:
             channels = int(np.prod(list(self._channels.values())))
-            call = transport.make_call(comm, self.name, "fwd", channels, len(inputs.shape), inputs.dtype.name)
-            transport.poison(comm, call, problem)
+            call = make_call(comm, self.name, "fwd", channels, len(inputs.shape), inputs.dtype.name)
+            poison(comm, call, problem)
         raise ValueError(problem)
 
     def call(self, inputs, training=None, mask=None):
@@ -200,6 +200,6 @@ class SyncBatchNormalization(keras.layers.BatchNormalization):
         config = super().get_config()
         ps = self.process_set
         config["process_set"] = ps.ranks if hasattr(ps, "ranks") else ps
-        config["comm"] = None if isinstance(self.comm, transport.Communicator) else self.comm
+        config["comm"] = None if isinstance(self.comm, Communicator) else self.comm
         config["check_finite"] = self.check_finite
         return config

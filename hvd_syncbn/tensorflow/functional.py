@@ -15,8 +15,8 @@ import numpy as np
 import tensorflow as tf
 
 from hvd_syncbn import backend
-from hvd_syncbn import comm as transport
-from hvd_syncbn.tensorflow import comm as tf_comm
+from hvd_syncbn.comm import Communicator, allreduce, make_call
+from hvd_syncbn.tensorflow import transports
 
 
 class _TFOps:
@@ -65,7 +65,7 @@ class _TFOps:
 _ops = _TFOps()
 
 
-def _allreduce_sum(comm: Optional[transport.Communicator], layer: str, x: tf.Tensor, channels: int):
+def _allreduce_sum(comm: Optional[Communicator], layer: str, x: tf.Tensor, channels: int):
     """Sum over the ranks of ``comm`` (nothing to do if ``None``) and, inside a
     ``tf.distribute`` replica context, over the in-process replicas first (one
     cross-rank collective per process). ``x`` and ``channels`` identify the call."""
@@ -76,7 +76,7 @@ def _allreduce_sum(comm: Optional[transport.Communicator], layer: str, x: tf.Ten
             return buf
 
         def run(b: np.ndarray) -> np.ndarray:
-            return transport.allreduce(comm, b, transport.make_call(comm, layer, direction, channels, ndim, dtype))
+            return allreduce(comm, b, make_call(comm, layer, direction, channels, ndim, dtype))
 
         out = tf.numpy_function(run, [tf.cast(buf, tf.float64)], tf.float64, stateful=True, name="hvd_syncbn_allreduce")
         return tf.cast(tf.reshape(out, buf.shape), buf.dtype)
@@ -332,9 +332,9 @@ def _sync_normalize(
     Raises (as ``InvalidArgumentError`` in graphs) on a global batch of one row and, with
     ``check_finite``, on non-finite statistics, before anything downstream runs.
     """
-    tf_comm.refuse_xla(f"SyncBatchNormalization {name!r}")
+    transports.refuse_xla(f"SyncBatchNormalization {name!r}")
     channels = int(np.prod([d or -1 for a, d in enumerate(xs[0].shape) if a not in axes]))
-    reduce = _allreduce_sum(tf_comm.resolve(comm, process_set, name), name, xs[0], channels)
+    reduce = _allreduce_sum(transports.resolve(comm, process_set, name), name, xs[0], channels)
     weight = None if mask is None else tf.cast(mask, xs[0].dtype)
     step = backend.Step(_ops, _kernels(xs, axes, epsilon, weight), reduce, GraphChecks(), epsilon, name)
     parts = len(xs)

@@ -16,7 +16,7 @@ from typing import Any
 import keras
 import tensorflow as tf
 
-from .comm import horovod, refuse_xla, resolve_process_set
+from .transports import horovod, refuse_xla, resolve_process_set
 
 
 def DistributedOptimizer(optimizer: keras.optimizers.Optimizer, op: Any = None,

@@ -17,9 +17,9 @@ from torch.autograd.function import once_differentiable
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from hvd_syncbn import backend
-from hvd_syncbn import comm as transport
-from hvd_syncbn import transports
-from hvd_syncbn.torch import comm as torch_comm
+from hvd_syncbn.comm import Communicator, SyncBatchNormError
+from hvd_syncbn.transports import requested_kind
+from hvd_syncbn.torch import transports
 from hvd_syncbn.torch import deferred
 from hvd_syncbn.torch.kernels import DeviceKernels, HostKernels, Stats
 from hvd_syncbn.torch import reducers
@@ -159,13 +159,13 @@ class SyncBatchNorm(_BatchNorm):
     def _init_sync(self, process_set: Any, name: Optional[str], comm: Optional[str], check_finite: bool,
                    stats: Optional[str] = None) -> None:
         """Set what this class adds to ``_BatchNorm`` (also for a layer made by conversion)."""
-        transports.requested_kind(comm)
+        requested_kind(comm)
         self.process_set = process_set
         self.layer_name = name or f"SyncBatchNorm_{next(_layer_ids)}"
         self.comm = comm
         self.check_finite = bool(check_finite)
         self.stats = _stats_choice(stats)
-        self._mean_guess: Optional[Tensor] = None  # last global batch mean (see _local_moments)
+        self._mean_guess: Optional[Tensor] = None  # last global batch mean (see kernels.host_moments)
         like = next((t for t in (self.weight, self.running_mean) if t is not None), None)
         self.register_buffer("_sync_errors", torch.zeros(3, dtype=torch.bool, device=None if like is None
                                                          else like.device), persistent=False)
@@ -192,23 +192,23 @@ class SyncBatchNorm(_BatchNorm):
             return params.dtype
         return torch.float64 if x.dtype == torch.float64 else torch.float32
 
-    def _resolve_comm(self, nccl: bool = False) -> Optional[transport.Communicator]:
-        return torch_comm.resolve(self.comm, self.process_set, self.layer_name, nccl)
+    def _resolve_comm(self, nccl: bool = False) -> Optional[Communicator]:
+        return transports.resolve(self.comm, self.process_set, self.layer_name, nccl)
 
-    def _comm(self, nccl: bool = False) -> Optional[transport.Communicator]:
+    def _comm(self, nccl: bool = False) -> Optional[Communicator]:
         """The communicator of this call, or ``None`` when this process is alone; ``nccl``:
-        CUDA tensors on the device path (see :func:`hvd_syncbn.torch.comm.resolve`)."""
+        CUDA tensors on the device path (see :func:`hvd_syncbn.torch.transports.resolve`)."""
         comm = _traced_comm(self, nccl) if torch.compiler.is_compiling() else self._resolve_comm(nccl)
         return comm if comm is not None and comm.size > 1 else None
 
-    def _context(self, x: Tensor, comm: transport.Communicator, on_device: bool) -> Context:
+    def _context(self, x: Tensor, comm: Communicator, on_device: bool) -> Context:
         """How this call synchronizes: host or device kernels, and the matching reducer."""
         identity, acc = Identity.of(self.layer_name, self.num_features, x), self._acc_dtype(x)
         if not on_device:
             reduce = HostReducer(comm, identity)
             kernels = HostKernels(self.eps, acc, x.device, self._mean_guess,
                                   lambda problem, e: reduce.fail(f"{self.layer_name}: {problem}",
-                                                                 transport.SyncBatchNormError, e))
+                                                                 SyncBatchNormError, e))
             return Context(kernels, reduce, False, self.layer_name, self.check_finite)
         reduce = GroupReducer(comm, identity) if comm.traceable else OpReducer(comm, identity, x.device)
         return Context(DeviceKernels(self.eps, acc), reduce, True, self.layer_name, self.check_finite)
@@ -272,7 +272,7 @@ def _traced_index(layer: SyncBatchNorm, nccl: bool) -> int:
     return -1 if comm is None else reducers.comm_index(comm)
 
 
-def _traced_comm(layer: SyncBatchNorm, nccl: bool) -> Optional[transport.Communicator]:
+def _traced_comm(layer: SyncBatchNorm, nccl: bool) -> Optional[Communicator]:
     """``layer._resolve_comm(nccl)`` while ``torch.compile`` traces: resolved once per trace
     (Dynamo cannot trace the resolver, which asks Horovod and the environment)."""
     index = _traced_index(layer, nccl)

@@ -18,7 +18,7 @@ import torch
 from torch import Tensor, nn
 
 from hvd_syncbn import backend
-from hvd_syncbn import comm as transport
+from hvd_syncbn.comm import SyncBatchNormError, env_flag
 
 FLAGS = ("mismatch", "single_row", "non_finite")
 """The flags of a layer's ``_sync_errors``, in order."""
@@ -53,7 +53,7 @@ def asserts() -> bool:
     """Whether the deferred checks also assert at the step (``$HVD_SYNCBN_DEVICE_ASSERT=1``),
     with ``torch._assert_async``: a debug mode, since on CUDA a failed assert loses its
     message and leaves the CUDA context unusable."""
-    return transport.env_flag(ASSERT_ENV, False, "errors deferred to check(), the default",
+    return env_flag(ASSERT_ENV, False, "errors deferred to check(), the default",
                               "also assert at the step, for debugging")
 
 
@@ -95,5 +95,5 @@ def check(module: nn.Module) -> None:
         return
     message = "SyncBatchNorm (device path): " + "; ".join(problems)
     if seen[:, FLAGS.index("mismatch")].any():
-        raise transport.SyncBatchNormError(message)
+        raise SyncBatchNormError(message)
     raise ValueError(message)

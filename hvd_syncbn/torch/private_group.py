@@ -31,7 +31,7 @@ import torch.distributed as dist
 # _new_process_group_helper fills it); a group outside torch's _world tables must be put there.
 from torch._C._distributed_c10d import _register_process_group
 
-from hvd_syncbn import comm as transport
+from hvd_syncbn.comm import Communicator, RECORD_BYTES, allreduce, compile_timeout, env_flag, get_timeout, make_call
 
 log = logging.getLogger("hvd_syncbn")
 
@@ -42,7 +42,7 @@ _names = itertools.count()
 
 def enabled() -> bool:
     """Whether a private group may be built: ``$HVD_SYNCBN_PRIVATE_GROUP`` (``1``, the default, or ``0``)."""
-    return transport.env_flag(ENV, True, "no private group", "the default")
+    return env_flag(ENV, True, "no private group", "the default")
 
 
 def host_id() -> str:
@@ -120,20 +120,20 @@ def connect_to(offer: dict) -> str:
     return "127.0.0.1" if offer["host"] == host_id() else offer["default"]
 
 
-def _broadcast(over: transport.Communicator, offer: dict, timeout: float) -> dict:
+def _broadcast(over: Communicator, offer: dict, timeout: float) -> dict:
     """Rank 0's ``offer`` on every rank: one summing allreduce of its JSON bytes (zeros elsewhere)."""
-    buf = np.zeros(transport.RECORD_BYTES)
+    buf = np.zeros(RECORD_BYTES)
     if over.rank == 0:
         raw = json.dumps(offer).encode()
-        if len(raw) > transport.RECORD_BYTES:
+        if len(raw) > RECORD_BYTES:
             raw = json.dumps({"error": f"the store's address is too long: {offer}"[:900]}).encode()
         buf[: len(raw)] = np.frombuffer(raw, dtype=np.uint8)
-    call = transport.make_call(over, "private_group", "bootstrap", transport.RECORD_BYTES, 1, "uint8")
-    out = transport.allreduce(over, buf, call, timeout)
+    call = make_call(over, "private_group", "bootstrap", RECORD_BYTES, 1, "uint8")
+    out = allreduce(over, buf, call, timeout)
     return json.loads(bytes(np.rint(out).astype(np.uint8)).rstrip(b"\0").decode())
 
 
-def build(over: transport.Communicator) -> Tuple[dist.ProcessGroup, dist.Store]:
+def build(over: Communicator) -> Tuple[dist.ProcessGroup, dist.Store]:
     """A process group of ``over``'s ranks (same rank numbers), and the store it needs
     alive (NCCL exchanges its ids over it at the first collective).
 
@@ -142,8 +142,8 @@ def build(over: transport.Communicator) -> Tuple[dist.ProcessGroup, dist.Store]:
     compiling (a functional collective waits by the group's timeout).
     """
     rank, size = over.rank, over.size
-    timeout = transport.get_timeout()
-    grace = datetime.timedelta(seconds=timeout + transport.compile_timeout())
+    timeout = get_timeout()
+    grace = datetime.timedelta(seconds=timeout + compile_timeout())
     wait = datetime.timedelta(seconds=timeout)
     store, offer = None, {}
     if rank == 0:

@@ -24,7 +24,9 @@ import torch
 import torch.distributed._functional_collectives as funcol
 from torch import Tensor
 
-from hvd_syncbn import comm as transport
+from hvd_syncbn.comm import (
+    Call, Communicator, HEADER, Join, SyncBatchNormInputError, allreduce, compile_timeout, get_timeout, header, make_call, poison, prepend,
+)
 
 
 class Identity(NamedTuple):
@@ -39,30 +41,30 @@ class Identity(NamedTuple):
     def of(cls, layer: str, channels: int, x: Tensor) -> "Identity":
         return cls(layer, channels, x.dim(), str(x.dtype).replace("torch.", ""))
 
-    def call(self, comm: transport.Communicator, direction: str) -> transport.Call:
+    def call(self, comm: Communicator, direction: str) -> Call:
         """This rank's next collective in ``direction`` over ``comm`` (it counts the step)."""
-        return transport.make_call(comm, self.layer, direction, self.channels, self.ndim, self.dtype)
+        return make_call(comm, self.layer, direction, self.channels, self.ndim, self.dtype)
 
 
 class HostReducer:
     """Numpy buffers over ``comm``."""
 
-    def __init__(self, comm: transport.Communicator, identity: Identity) -> None:
+    def __init__(self, comm: Communicator, identity: Identity) -> None:
         self.comm, self.identity = comm, identity
 
     def __call__(self, buf, direction: str):
-        return transport.allreduce(self.comm, buf, self.identity.call(self.comm, direction))
+        return allreduce(self.comm, buf, self.identity.call(self.comm, direction))
 
-    def fail(self, problem: str, error: type = transport.SyncBatchNormInputError,
+    def fail(self, problem: str, error: type = SyncBatchNormInputError,
              cause: Optional[BaseException] = None) -> None:
-        transport.poison(self.comm, self.identity.call(self.comm, "fwd"), problem, error, cause)
+        poison(self.comm, self.identity.call(self.comm, "fwd"), problem, error, cause)
 
 
-_comms: List[transport.Communicator] = []
+_comms: List[Communicator] = []
 """The communicators the custom op has seen: it takes an index (ops take no objects)."""
 
 
-def comm_index(comm: transport.Communicator) -> int:
+def comm_index(comm: Communicator) -> int:
     """``comm``'s index in the communicators the custom op knows (added if new)."""
     for i, known in enumerate(_comms):
         if known is comm:
@@ -71,7 +73,7 @@ def comm_index(comm: transport.Communicator) -> int:
     return len(_comms) - 1
 
 
-def known_comm(index: int) -> transport.Communicator:
+def known_comm(index: int) -> Communicator:
     return _comms[index]
 
 
@@ -83,15 +85,15 @@ def _allreduce(buf: Tensor, comm: int, layer: str, direction: str, channels: int
     more, as a peer may still be compiling."""
     c = _comms[comm]
     call = Identity(layer, channels, ndim, dtype).call(c, direction)
-    timeout = transport.get_timeout() + (transport.compile_timeout() if call.step == 0 else 0.0)
+    timeout = get_timeout() + (compile_timeout() if call.step == 0 else 0.0)
     join = joiner(c, buf.device)
     payload = buf.detach()
-    if join is transport.prepend:  # host memory: a CUDA buffer crosses once, into pinned memory
+    if join is prepend:  # host memory: a CUDA buffer crosses once, into pinned memory
         payload = payload.to("cpu", non_blocking=True)
         if buf.is_cuda:
             torch.cuda.current_stream(buf.device).synchronize()
         payload = payload.numpy()
-    out = transport.allreduce(c, payload, call, timeout, join=join)
+    out = allreduce(c, payload, call, timeout, join=join)
     return torch.as_tensor(out).to(buf.device, non_blocking=True)
 
 
@@ -100,14 +102,14 @@ def _(buf, comm, layer, direction, channels, ndim, dtype):
     return torch.empty_like(buf)
 
 
-def joiner(comm: transport.Communicator, device: torch.device) -> transport.Join:
+def joiner(comm: Communicator, device: torch.device) -> Join:
     """How the custom op's buffers on ``device`` reach ``comm``: CUDA buffers as they are
     where the transport reads device memory (``comm.device_buffers``: Horovod built with
     GPU support, CUDA-aware MPI), after the collective's one wait for the device (the
     transport reads from the host's side); anything else as numpy
     (:func:`hvd_syncbn.comm.prepend`)."""
     if device.type != "cuda" or not comm.device_buffers:
-        return transport.prepend
+        return prepend
 
     def join(head: List[float], payload) -> Tensor:
         head_t = torch.tensor(head, dtype=torch.float64, pin_memory=True)
@@ -122,30 +124,30 @@ def joiner(comm: transport.Communicator, device: torch.device) -> transport.Join
 class OpReducer(HostReducer):
     """Device tensors over Horovod or MPI, through the custom op."""
 
-    def __init__(self, comm: transport.Communicator, identity: Identity, device: torch.device) -> None:
+    def __init__(self, comm: Communicator, identity: Identity, device: torch.device) -> None:
         super().__init__(comm, identity)
         self.index, self.device = comm_index(comm), device
 
     def __call__(self, buf: Tensor, direction: str) -> Tensor:
         return _allreduce(buf, self.index, self.identity.layer, direction, *self.identity[1:])
 
-    def fail(self, problem: str, error: type = transport.SyncBatchNormInputError,
+    def fail(self, problem: str, error: type = SyncBatchNormInputError,
              cause: Optional[BaseException] = None) -> None:
-        transport.poison(self.comm, self.identity.call(self.comm, "fwd"), problem, error, cause,
+        poison(self.comm, self.identity.call(self.comm, "fwd"), problem, error, cause,
                          join=joiner(self.comm, self.device))
 
 
 @torch.compiler.assume_constant_result
 def static_header(layer: str, direction: str, channels: int, ndim: int, dtype: str, world: int) -> List[float]:
     """The static ``[h, h²]`` of a functional collective (no step: it is traced once)."""
-    return transport.header(transport.Call(layer, direction, 0, channels, ndim, dtype), world)
+    return header(Call(layer, direction, 0, channels, ndim, dtype), world)
 
 
 class GroupReducer:
     """Device tensors over a ``torch.distributed`` group, by a functional collective; a
     summed header that does not match makes the whole buffer NaN."""
 
-    def __init__(self, comm: transport.Communicator, identity: Identity) -> None:
+    def __init__(self, comm: Communicator, identity: Identity) -> None:
         self.comm, self.identity = comm, identity
 
     def __call__(self, buf: Tensor, direction: str) -> Tensor:
@@ -153,7 +155,7 @@ class GroupReducer:
         head = static_header(layer, direction, channels, ndim, dtype, self.comm.size)
         out = funcol.wait_tensor(funcol.all_reduce(torch.cat([buf.new_tensor(head), buf]), "sum", self.comm.group))
         mixed = (out[0] != self.comm.size * head[0]) | (out[1] != self.comm.size * head[1])
-        return torch.where(mixed, torch.nan, out[transport.HEADER:])
+        return torch.where(mixed, torch.nan, out[HEADER:])
 
     def fail(self, problem: str, error: type = ValueError, cause: Optional[BaseException] = None) -> None:
         """No diagnosis crosses a functional collective: raise here; peers time out."""

@@ -12,8 +12,10 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from hvd_syncbn import comm as base
-from hvd_syncbn import transports
+from hvd_syncbn.comm import Communicator, LocalCommunicator
+from hvd_syncbn.transports import (
+    COMM_ENV, HorovodTransport, MpiTransport, Registry, Request, Transport, not_a_member, requested_kind,
+)
 from hvd_syncbn.torch import private_group
 
 try:
@@ -22,7 +24,7 @@ except ImportError:  # pragma: no cover - exercised only where Horovod is missin
     hvd = None
 
 
-class HorovodComm(base.Communicator):
+class HorovodComm(Communicator):
     """Horovod's allreduce, in place: on a numpy buffer (as a CPU tensor) or a tensor,
     CUDA tensors too where Horovod was built with GPU support (over NCCL where built
     with ``HOROVOD_GPU_OPERATIONS=NCCL``)."""
@@ -50,7 +52,7 @@ class HorovodComm(base.Communicator):
         hvd.shutdown()
 
 
-class TorchDistComm(base.Communicator):
+class TorchDistComm(Communicator):
     """``torch.distributed`` on ``group`` (``None``: the default group), with a second
     group of the same ranks for diagnostics (``diagnostics=True``: this is that one).
     Buffers cross on the device the group's backend works on (CUDA for NCCL)."""
@@ -63,7 +65,7 @@ class TorchDistComm(base.Communicator):
         self.rank, self.size = self.group.rank(), self.group.size()
         nccl = "nccl" in str(dist.get_backend(group)).lower()
         self.device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
-        self._side: base.Communicator = self
+        self._side: Communicator = self
         if not diagnostics:
             ranks = dist.get_process_group_ranks(self.group)
             self._side = TorchDistComm(dist.new_group(ranks, use_local_synchronization=True), diagnostics=True)
@@ -90,7 +92,7 @@ class PrivateGroupComm(TorchDistComm):
     also carries the diagnosis and stops the job after a stuck collective. Host buffers
     cross over Gloo; the device path's CUDA tensors over NCCL."""
 
-    def __init__(self, over: base.Communicator) -> None:  # not TorchDistComm's: it asks torch's tables
+    def __init__(self, over: Communicator) -> None:  # not TorchDistComm's: it asks torch's tables
         self.group, self._store = private_group.build(over)
         self.rank, self.size, self.over = over.rank, over.size, over
         self.device = torch.device("cpu")
@@ -102,17 +104,17 @@ class PrivateGroupComm(TorchDistComm):
         self.over.abort()
 
 
-class TorchTransport(transports.Transport):
+class TorchTransport(Transport):
     """``torch.distributed``: the default group (or the layer's ``process_set`` as a
     group); asked for by name with no process group, a private group over what ``auto``
     picks among the others (:mod:`hvd_syncbn.torch.private_group`)."""
 
     name, chosen_because = "torch", "a torch.distributed process group exists"
 
-    def auto_unavailable(self, request: transports.Request) -> Optional[str]:
+    def auto_unavailable(self, request: Request) -> Optional[str]:
         return None if request.process_group else "no torch.distributed process group"
 
-    def build(self, request: transports.Request, registry: transports.Registry) -> base.Communicator:
+    def build(self, request: Request, registry: Registry) -> Communicator:
         group, layer = request.group, request.layer
         if not request.process_group:
             return _private_over_auto(request, registry)
@@ -122,24 +124,26 @@ class TorchTransport(transports.Transport):
                 f"ProcessGroup (from dist.new_group), got {type(group).__name__}"
             )
         if group is not None and dist.get_rank(group) < 0:
-            raise transports.not_a_member(layer, dist.get_rank(), dist.get_process_group_ranks(group))
+            raise not_a_member(layer, dist.get_rank(), dist.get_process_group_ranks(group))
         return TorchDistComm(group)
 
 
-class HorovodTransport(transports.HorovodTransport):
-    def build(self, request: transports.Request, registry: transports.Registry) -> base.Communicator:
+class HorovodTorchTransport(HorovodTransport):
+    """Horovod for torch tensors (:class:`HorovodComm`)."""
+
+    def build(self, request: Request, registry: Registry) -> Communicator:
         return HorovodComm(request.group if request.group is not None else hvd.global_process_set)
 
 
-REGISTRY = transports.Registry("PyTorch", TorchTransport(), transports.MpiTransport(), HorovodTransport())
+REGISTRY = Registry("PyTorch", TorchTransport(), MpiTransport(), HorovodTorchTransport())
 
 
-def private_comm(over: base.Communicator) -> PrivateGroupComm:
+def private_comm(over: Communicator) -> PrivateGroupComm:
     """The private group over ``over``, built on first use, once per communicator."""
     return REGISTRY.cached(("private", id(over)), lambda: PrivateGroupComm(over))
 
 
-def _private_over_auto(request: transports.Request, registry: transports.Registry) -> base.Communicator:
+def _private_over_auto(request: Request, registry: Registry) -> Communicator:
     """``comm='torch'`` with no process group: a private one over the transport ``auto``
     picks (MPI or Horovod); alone (one rank) a communicator of one."""
     over, why = registry.choose("auto", request)
@@ -150,7 +154,7 @@ def _private_over_auto(request: transports.Request, registry: transports.Registr
             f"{request.layer}: comm='torch' needs torch.distributed.init_process_group() first, or a job started "
             f"by mpirun (with mpi4py) or horovodrun (after hvd.init()) to build a private group over ({why})")
     over = registry.resolve("auto", request)
-    return base.LocalCommunicator(size=1) if over is None else private_comm(over)
+    return LocalCommunicator(size=1) if over is None else private_comm(over)
 
 
 _resolved: dict = {}
@@ -166,7 +170,7 @@ def _horovod_on() -> bool:
     return _horovod_seen
 
 
-def resolve(kind: Any, process_set: Any, layer: str, nccl: bool = False) -> Optional[base.Communicator]:
+def resolve(kind: Any, process_set: Any, layer: str, nccl: bool = False) -> Optional[Communicator]:
     """The communicator a layer uses now, or ``None`` when it is alone (plain BN).
     ``nccl``: the statistics are CUDA tensors on the device path, which under ``auto`` a
     private group carries over NCCL instead of MPI or Horovod (unless
@@ -175,23 +179,23 @@ def resolve(kind: Any, process_set: Any, layer: str, nccl: bool = False) -> Opti
     Called on every forward: the answer is remembered for the state it depends on.
     """
     hvd_on = _horovod_on()
-    state = (id(kind) if isinstance(kind, base.Communicator) else kind, os.environ.get(transports.COMM_ENV), hvd_on,
+    state = (id(kind) if isinstance(kind, Communicator) else kind, os.environ.get(COMM_ENV), hvd_on,
              dist.is_available() and dist.is_initialized(), _set_key(process_set), nccl,
              os.environ.get(private_group.ENV))
     if state not in _resolved:
         comm = REGISTRY.resolve(kind, _request(process_set, layer, hvd_on))
         if nccl and comm is not None and comm.kind in ("mpi", "horovod") and dist.is_nccl_available() \
-                and private_group.enabled() and transports.requested_kind(kind) == "auto":
+                and private_group.enabled() and requested_kind(kind) == "auto":
             comm = private_comm(comm)
         _resolved[state] = comm
     return _resolved[state]
 
 
-def _request(process_set: Any, layer: str, hvd_on: bool) -> transports.Request:
+def _request(process_set: Any, layer: str, hvd_on: bool) -> Request:
     if hvd_on and isinstance(process_set, hvd.ProcessSet) and not process_set.included():
-        raise transports.not_a_member(layer, hvd.rank(), process_set.ranks)
+        raise not_a_member(layer, hvd.rank(), process_set.ranks)
     pg_exists = dist.is_available() and dist.is_initialized()  # in the key: comm='torch' is a private group without
-    return transports.Request(layer, (hvd.size(), hvd.rank()) if hvd_on else None, pg_exists, process_set,
+    return Request(layer, (hvd.size(), hvd.rank()) if hvd_on else None, pg_exists, process_set,
                               (_set_key(process_set), pg_exists), _ranks(process_set))
 
 

@@ -15,8 +15,8 @@ import numpy as np
 import tensorflow as tf
 from tensorflow.python.ops import control_flow_util
 
-from hvd_syncbn import comm as base
-from hvd_syncbn import transports
+from hvd_syncbn.comm import Communicator
+from hvd_syncbn.transports import HorovodTransport, MpiTransport, Registry, Request, not_a_member
 
 try:
     import horovod.tensorflow as hvd
@@ -29,7 +29,7 @@ class _Job:
         self.fn, self.value, self.error, self.event = fn, None, None, threading.Event()
 
 
-class HorovodComm(base.Communicator):
+class HorovodComm(Communicator):
     """Horovod's eager allreduce, on a helper thread so that the caller can wait with a
     deadline. Eager Horovod ops all carry one kernel name, so Horovod cannot match them by
     name: one is in flight at a time and they match by order, like MPI (TF runs the
@@ -123,22 +123,24 @@ def resolve_process_set(process_set: Any) -> Any:
     )
 
 
-class HorovodTransport(transports.HorovodTransport):
-    def build(self, request: transports.Request, registry: transports.Registry) -> base.Communicator:
+class HorovodTFTransport(HorovodTransport):
+    """Horovod for TensorFlow (:class:`HorovodComm`)."""
+
+    def build(self, request: Request, registry: Registry) -> Communicator:
         return HorovodComm(request.group)
 
 
-REGISTRY = transports.Registry("TensorFlow", transports.MpiTransport(), HorovodTransport())
+REGISTRY = Registry("TensorFlow", MpiTransport(), HorovodTFTransport())
 """TensorFlow's transports in ``auto``'s order: MPI under mpirun with mpi4py, then Horovod."""
 
 
 @tf.autograph.experimental.do_not_convert  # plain Python (MPI, Horovod): nothing for AutoGraph to trace
-def resolve(kind: Any, process_set: Any, layer: str) -> Optional[base.Communicator]:
+def resolve(kind: Any, process_set: Any, layer: str) -> Optional[Communicator]:
     """The communicator for a layer, or ``None`` when this process is alone (plain BN)."""
     hvd_on = hvd is not None and hvd.is_initialized()
-    ps = resolve_process_set(process_set) if hvd_on and not isinstance(kind, base.Communicator) else None
+    ps = resolve_process_set(process_set) if hvd_on and not isinstance(kind, Communicator) else None
     if ps is not None and not ps.included():
-        raise transports.not_a_member(layer, hvd.rank(), ps.ranks)
-    request = transports.Request(layer, (hvd.size(), hvd.rank()) if hvd_on else None, False, ps,
+        raise not_a_member(layer, hvd.rank(), ps.ranks)
+    request = Request(layer, (hvd.size(), hvd.rank()) if hvd_on else None, False, ps,
                                  None if ps is None else ps.process_set_id, None if ps is None else list(ps.ranks))
     return REGISTRY.resolve(kind, request)
