@@ -87,10 +87,10 @@ def test_train_then_resume_matches_uninterrupted(tmp_path, compared):
 
 
 def readme_demo_output() -> list:
-    """The lines of the README's demo output: the first code block after "### The demo"
-    that is not a command."""
-    text = (ROOT / "README.md").read_text()
-    blocks = re.findall(r"^```\n(.*?)^```$", text[text.index("### The demo"):], re.S | re.M)
+    """The lines of the documented demo output (docs/demo.md): its first code block that is
+    not a command."""
+    text = (ROOT / "docs" / "demo.md").read_text()
+    blocks = re.findall(r"^```\n(.*?)^```$", text, re.S | re.M)
     return blocks[0].splitlines()
 
 
