@@ -96,7 +96,7 @@ def readme_demo_output() -> list:
 
 def test_readme_demo_output_is_what_the_command_prints(tmp_path):
     """README command 1, into a file as CI runs it, prints after the set-up's
-    ``[install]`` lines exactly the README's demo output, numbers aside (this run is tiny):
+    ``[install]`` lines exactly the demo output in docs/demo.md, numbers aside (this run is tiny):
     rank 0's tagged lines, the transport line in its place, no framework start-up lines,
     no progress bar."""
     cmd = ["bash", str(ROOT / "launch" / "demo.sh"), *TINY, "--checkpoint-dir", str(tmp_path)]
