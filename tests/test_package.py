@@ -96,19 +96,36 @@ def test_wheel_installs_into_a_fresh_venv_and_syncs_two_ranks(tmp_path):
     assert "hvd_syncbn/py.typed" in wheel_files and "hvd_syncbn/torch/__init__.py" in wheel_files
     assert any(n.endswith(".dist-info/licenses/LICENSE") for n in wheel_files), sorted(wheel_files)
 
-    # A fresh venv beside the project's: the wheel installed with pip (from the project's
-    # environment, --python), its dependencies (numpy, torch, mpi4py) seen through a .pth
-    # line to the project's site-packages, which comes after the venv's own: so no download
-    # and no CUDA torch, and hvd_syncbn is the installed one, never the source tree's.
+    # A fresh venv beside the project's, the wheel installed with pip (from the project's
+    # environment, --python). First with numpy only, the core's one dependency (linked from
+    # the project's environment): the core imports, and each adapter names its extra.
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
     py = venv / "bin" / "python"
-    site = subprocess.run([py, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                          capture_output=True, text=True, check=True).stdout.strip()
-    (Path(site) / "project_deps.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    site = Path(subprocess.run([py, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                               capture_output=True, text=True, check=True).stdout.strip())
+    project_site = Path(sysconfig.get_paths()["purelib"])
+    numpy_only = tmp_path / "numpy_only"
+    numpy_only.mkdir()
+    for name in ("numpy", "numpy.libs"):
+        if (project_site / name).exists():
+            (numpy_only / name).symlink_to(project_site / name)
+    (site / "deps.pth").write_text(f"{numpy_only}\n")
     pip = subprocess.run([sys.executable, "-m", "pip", "--python", str(py), "install", "--no-deps", "-q", str(wheel)],
                          capture_output=True, text=True, timeout=300)
     assert pip.returncode == 0, (pip.stdout + pip.stderr)[-6000:]
+    core = subprocess.run([py, "-c", "import hvd_syncbn, hvd_syncbn.backend, hvd_syncbn.comm; print(hvd_syncbn.__file__)"],
+                          capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert core.returncode == 0 and core.stdout.startswith(str(venv)), core.stdout + core.stderr[-3000:]
+    for adapter in ("torch", "tensorflow"):
+        bare = subprocess.run([py, "-c", f"import hvd_syncbn.{adapter}"], capture_output=True, text=True,
+                              cwd=tmp_path, timeout=120)
+        assert bare.returncode != 0 and f"pip install 'hvd_syncbn[{adapter}]'" in bare.stderr, bare.stderr[-3000:]
+
+    # Then with the project's packages (torch, mpi4py) seen through a .pth line, after the
+    # venv's own site-packages: no download, no CUDA torch, and hvd_syncbn still the
+    # installed one, never the source tree's.
+    (site / "deps.pth").write_text(f"{project_site}\n")
 
     meta = subprocess.run([py, "-c", textwrap.dedent("""
         import importlib.metadata as m, json, hvd_syncbn
