@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The README's small-batch experiment: set everything up (idempotent), then train local
+# The small-batch experiment (docs/why_syncbn.md): set everything up (idempotent), then train local
 # BN and SyncBN at 1 and 2 images per rank on NP ranks (default 4) under mpirun, and one
 # process at the whole global batch, 3 seeds each (examples/why_syncbn.py). Writes
 # results/why_syncbn.md, .json and .png. The arguments go to the script, e.g.

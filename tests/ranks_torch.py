@@ -7,7 +7,7 @@ the oracle cases ours must be as close to float64 BN as float32 BN is
 (``oracle.assert_as_accurate``).
 
 At 1 rank the contract is different, and so is what the oracle cases assert: alone,
-``SyncBatchNorm`` *is* ``nn.BatchNorm`` (README), so its outputs, gradients and running
+``SyncBatchNorm`` *is* ``nn.BatchNorm`` (docs/pytorch.md), so its outputs, gradients and running
 statistics must be bitwise equal to plain BN's (``rtol=atol=0``: :func:`tolerance`, and
 ``alone`` in :func:`run_steps`) and it makes no SyncBN collective
 (:func:`no_collective_when_alone`). The synchronized path in one process is covered by

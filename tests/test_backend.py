@@ -564,7 +564,7 @@ def test_torch_bad_input_on_one_rank_fails_every_rank_naming_it():
 
 
 def assert_everyone_names_the_bad_rank(out: list, problem: str, bad: int = 1) -> None:
-    """The README's row: SyncBatchNormInputError on the bad rank, SyncBatchNormError on its
+    """The row of docs/failures.md: SyncBatchNormInputError on the bad rank, SyncBatchNormError on its
     peers, every one with the bad rank's problem."""
     for r, e in enumerate(out):
         assert isinstance(e, comm.SyncBatchNormError), f"rank {r}: {e!r}"

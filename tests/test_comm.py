@@ -213,7 +213,7 @@ def test_make_call_counts_steps_per_communicator_and_direction():
 
 
 def test_transport_rule(monkeypatch):
-    """The documented rule (README, How the statistics travel): a Communicator as it is;
+    """The documented rule (docs/design.md): a Communicator as it is;
     under ``auto`` the first registered transport that works here (for PyTorch:
     torch.distributed if a group exists, else MPI under mpirun, else Horovod if
     initialised), else none; a named one that cannot work raises, saying why."""

@@ -87,16 +87,16 @@ def test_train_then_resume_matches_uninterrupted(tmp_path, compared):
 
 
 def readme_demo_output() -> list:
-    """The lines of the README's demo output: the first code block after "### The demo"
-    that is not a command."""
-    text = (ROOT / "README.md").read_text()
-    blocks = re.findall(r"^```\n(.*?)^```$", text[text.index("### The demo"):], re.S | re.M)
+    """The lines of the documented demo output (docs/demo.md): its first code block that is
+    not a command."""
+    text = (ROOT / "docs" / "demo.md").read_text()
+    blocks = re.findall(r"^```\n(.*?)^```$", text, re.S | re.M)
     return blocks[0].splitlines()
 
 
 def test_readme_demo_output_is_what_the_command_prints(tmp_path):
     """README command 1, into a file as CI runs it, prints after the set-up's
-    ``[install]`` lines exactly the README's demo output, numbers aside (this run is tiny):
+    ``[install]`` lines exactly the demo output in docs/demo.md, numbers aside (this run is tiny):
     rank 0's tagged lines, the transport line in its place, no framework start-up lines,
     no progress bar."""
     cmd = ["bash", str(ROOT / "launch" / "demo.sh"), *TINY, "--checkpoint-dir", str(tmp_path)]
