@@ -18,12 +18,10 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from hvd_syncbn import backend
 from hvd_syncbn.comm import Communicator, SyncBatchNormError
-from hvd_syncbn.transports import requested_kind
-from hvd_syncbn.torch import transports
-from hvd_syncbn.torch import deferred
+from hvd_syncbn.torch import deferred, reducers, transports
 from hvd_syncbn.torch.kernels import DeviceKernels, HostKernels, Stats
-from hvd_syncbn.torch import reducers
 from hvd_syncbn.torch.reducers import GroupReducer, HostReducer, Identity, OpReducer
+from hvd_syncbn.transports import requested_kind
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 _layer_ids = itertools.count()
@@ -244,7 +242,7 @@ class SyncBatchNorm(_BatchNorm):
             context.reduce.fail(str(e))
         y, count, mean, var, errors = _SyncBatchNormFunction.apply(input, self.weight, self.bias, context)
         if errors is not None:
-            deferred.record(self, errors)
+            deferred.record(self.layer_name, self._sync_errors, errors)
         else:  # the next step centres its data on this global mean (see kernels.host_moments)
             self._mean_guess = context.kernels.vector(mean, context.kernels.acc) if np.isfinite(mean).all() else None
         self._update_running(context.kernels, count, mean, var, True if errors is None else ~errors.any())

@@ -57,14 +57,14 @@ def asserts() -> bool:
                               "also assert at the step, for debugging")
 
 
-def record(layer: nn.Module, errors: Tensor) -> None:
-    """Add a step's ``errors`` (:data:`FLAGS`) to ``layer._sync_errors`` (asserting them
-    first in the debug mode)."""
+def record(name: str, seen: Tensor, errors: Tensor) -> None:
+    """Add a step's ``errors`` (:data:`FLAGS`) of layer ``name`` to what it has ``seen``
+    (its ``_sync_errors``), asserting them first in the debug mode."""
     if asserts():
-        for flag, text in zip(errors, messages(layer.layer_name)):
+        for flag, text in zip(errors, messages(name)):
             torch._assert_async(~flag, f"SyncBatchNorm (device path): {text}")
     with torch.no_grad():
-        layer._sync_errors |= errors.to(layer._sync_errors.device)
+        seen |= errors.to(seen.device)
 
 
 def messages(name: str) -> tuple:
