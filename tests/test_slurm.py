@@ -159,6 +159,7 @@ def test_lost_node_fails_in_time_and_resume_matches(cluster, uninterrupted):
     took, info, log = time.monotonic() - killed, cluster.job(job), cluster.log("lost")
     assert info["JobState"] == "FAILED" and info["ExitCode"] != "0:0", f"{info['JobState']} {info['ExitCode']}:\n{log[-3000:]}"
     assert took <= 2 * T, f"the survivors on node1 took {took:.1f} s to end, more than 2 x {T} s:\n{log[-3000:]}"
+    print(f"lost node: the job ended {took:.1f} s after node2's ranks were killed (HVD_SYNCBN_TIMEOUT={T})")
     state = torch.load(ckpt, map_location="cpu")  # the last complete checkpoint loads
     assert state["epoch"] == 1, f"the kill came too late: epoch {state['epoch']} had finished:\n{log[-3000:]}"
 
@@ -169,6 +170,18 @@ def test_lost_node_fails_in_time_and_resume_matches(cluster, uninterrupted):
     assert b["epoch"] == 2
     for key, value in a["model"].items():  # parameters and BN running statistics, bitwise
         assert torch.equal(value, b["model"][key]), f"{key} differs from the uninterrupted job after resuming"
+
+
+def test_refuses_without_root_saying_why(tmp_path):
+    """Where it cannot run, ``up`` exits 3 with the reason (the fixture then skips) and
+    starts nothing; run here as an unprivileged user."""
+    if os.geteuid() != 0:
+        pytest.skip("runs `up` as another user, which needs root")
+    out = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "bash", str(CLUSTER), "up",
+                          "--dir", str(tmp_path / "state")], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 3 and "cannot run here: needs root" in out.stderr and "uid 65534" in out.stderr, \
+        f"exit {out.returncode}: {out.stderr}"
+    assert not (tmp_path / "state").exists()
 
 
 PROBE = "from hvd_syncbn import launchers; print('launch', launchers.launcher(), launchers.world_size(), flush=True)"

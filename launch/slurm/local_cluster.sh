@@ -5,6 +5,7 @@
 #   sudo launch/slurm/local_cluster.sh up [--dir D]     # then, as it prints:
 #   export SLURM_CONF=D/slurm.conf; sbatch --wait launch/slurm/train.sbatch --epochs 1
 #   sudo launch/slurm/local_cluster.sh down [--dir D]   # stops everything, removes D
+#                                  (without --dir: the cluster that is up, wherever its D)
 #
 # What `up` makes (D defaults to /tmp/hvd-syncbn-slurm; everything else is named hvdsl*):
 # - munged and slurmctld in this (the root) network namespace, with keys, spool, logs
@@ -24,9 +25,10 @@
 set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 PREFIX=hvdsl SUBNET=10.201.9 NODES=(node1 node2) PORT=16817
+RECORD=/run/hvdsl-cluster  # the folder of the cluster that is up, for `down` without --dir
 
 usage() {
-  sed -n '2,8p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//' >&2
+  sed -n '2,9p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//' >&2
   exit 2
 }
 log() { echo "[local_cluster] $*" >&2; }
@@ -35,7 +37,7 @@ cannot() { echo "[local_cluster] cannot run here: $*" >&2; exit 3; }
 
 [ $# -ge 1 ] || usage
 action=$1; shift
-dir=/tmp/hvd-syncbn-slurm
+dir=
 while [ $# -gt 0 ]; do
   case $1 in
     --dir) dir=${2:?"--dir needs a folder"}; shift 2 ;;
@@ -43,6 +45,10 @@ while [ $# -gt 0 ]; do
     *) echo "local_cluster.sh: unknown option '$1'" >&2; usage ;;
   esac
 done
+if [ -z "$dir" ]; then
+  dir=/tmp/hvd-syncbn-slurm
+  [ "$action" = down ] && [ -s "$RECORD" ] && dir=$(cat "$RECORD")
+fi
 case $dir in /*) ;; *) dir=$PWD/$dir ;; esac
 
 # ------------------------------------------------------------------------------- down
@@ -92,6 +98,7 @@ down() {
   left=$(leftovers)
   [ -z "$left" ] || die "could not remove: $(tr '\n' ' ' <<<"$left")"
   rm -rf "$dir"
+  [ "$(cat "$RECORD" 2>/dev/null)" != "$dir" ] || rm -f "$RECORD"
 }
 
 # --------------------------------------------------------------------------------- up
@@ -110,8 +117,9 @@ check_can_run() {
   if ! err=$(ip netns add "$probe" 2>&1); then cannot "network namespaces are not permitted here (ip netns add: $err)"; fi
   ip netns del "$probe"
   if ! err=$(unshare --mount --uts true 2>&1); then cannot "mount/UTS namespaces are not permitted here (unshare: $err)"; fi
-  [ -z "$(leftovers)" ] || die "a cluster is already up (or a run was killed): $(leftovers | tr '\n' ' ')
-take it down first: $0 down --dir $dir"
+  [ ! -s "$RECORD" ] && [ -z "$(leftovers)" ] || die "a cluster is already up (or one was killed): \
+$(cat "$RECORD" 2>/dev/null) $(leftovers | tr '\n' ' ')
+take it down first: $0 down"
   if grep -q " inet ${SUBNET//./\\.}\." <<<"$(ip -o -4 addr show)"; then
     die "$SUBNET.0/24 is already in use here (ip -4 addr)"
   fi
@@ -222,6 +230,7 @@ up() {
   chmod 755 "$dir"
   trap 'rc=$?; trap - EXIT; if [ $rc != 0 ]; then log "up failed: taking down what it started"; logs=$(mktemp -d); cp "$dir"/*.log "$logs" 2>/dev/null || true; down || true; log "logs kept in $logs"; fi; exit $rc' EXIT
   start=$SECONDS
+  echo "$dir" > "$RECORD"
   write_config
   start_munge
   start_network
