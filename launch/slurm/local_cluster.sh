@@ -51,6 +51,9 @@ if [ -z "$dir" ]; then
 fi
 case $dir in /*) ;; *) dir=$PWD/$dir ;; esac
 
+# D holds only what `up` wrote (it is removed by `down`, and emptied by `up`).
+ours() { [ ! -e "$dir" ] || [ -z "$(ls -A "$dir")" ] || grep -qs '^# Written by launch/slurm/local_cluster.sh' "$dir/slurm.conf"; }
+
 # ------------------------------------------------------------------------------- down
 stop_pid() {  # stop_pid FILE: TERM the process in FILE, then KILL it after 5 s
   local pid
@@ -97,7 +100,7 @@ down() {
   local left
   left=$(leftovers)
   [ -z "$left" ] || die "could not remove: $(tr '\n' ' ' <<<"$left")"
-  rm -rf "$dir"
+  if ours; then rm -rf "$dir"; else log "left $dir as it is: it holds files local_cluster.sh did not write"; fi
   [ "$(cat "$RECORD" 2>/dev/null)" != "$dir" ] || rm -f "$RECORD"
 }
 
@@ -225,6 +228,7 @@ $(tail -n 5 "$dir"/slurmctld.log "$dir"/node*/slurmd.log "$dir"/node*/stdout.log
 
 up() {
   check_can_run
+  ours || die "--dir $dir holds files local_cluster.sh did not write: give it an empty or new folder"
   rm -rf "$dir"
   mkdir -p "$dir"
   chmod 755 "$dir"
