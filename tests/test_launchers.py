@@ -61,7 +61,12 @@ def test_a_bad_size_says_which_variable():
         launchers.world_size(env)
 
 
-PROBE = "from hvd_syncbn import launchers; print('launch', launchers.launcher(), launchers.world_size(), flush=True)"
+PROBE = """
+import os, sys
+from hvd_syncbn import launchers
+with open(os.path.join(sys.argv[1], str(os.getpid())), "w") as f:  # a file each: mpirun interleaves stdout
+    f.write(f"{launchers.launcher()} {launchers.world_size()}")
+"""
 
 
 @pytest.mark.parametrize("cmd, expected", [
@@ -71,9 +76,10 @@ PROBE = "from hvd_syncbn import launchers; print('launch', launchers.launcher(),
     ([sys.executable], ["None None"]),
 ], ids=["mpirun", "horovodrun-gloo", "torchrun", "alone"])
 def test_real_launchers(cmd, expected, tmp_path):
-    probe = tmp_path / "probe.py"
+    probe, found = tmp_path / "probe.py", tmp_path / "found"
     probe.write_text(PROBE)
-    out = subprocess.run(cmd + [str(probe)], cwd=ROOT, env={**clean_env(), "PYTHONPATH": str(ROOT)},
+    found.mkdir()
+    out = subprocess.run(cmd + [str(probe), str(found)], cwd=ROOT, env={**clean_env(), "PYTHONPATH": str(ROOT)},
                          capture_output=True, text=True, timeout=120)
-    found = [line.split("launch ", 1)[1] for line in out.stdout.splitlines() if "launch " in line]
-    assert out.returncode == 0 and found == expected, out.stdout + out.stderr[-3000:]
+    named = [f.read_text() for f in found.iterdir()]
+    assert out.returncode == 0 and named == expected, f"{named}\n{out.stdout}{out.stderr[-3000:]}"
