@@ -109,3 +109,9 @@ def rank_tmp():
     make and clean up: once in 20 multi-host runs a rank failed at exit on that link.)"""
     with tempfile.TemporaryDirectory() as folder:
         yield Path(folder)
+
+
+def pytest_configure(config):
+    """The markers test files use (``-m "not slow"`` deselects the long launcher tests)."""
+    config.addinivalue_line("markers", "multihost: runs jobs across several (emulated) hosts or nodes")
+    config.addinivalue_line("markers", "slow: takes minutes (a cluster, real jobs)")

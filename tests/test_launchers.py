@@ -1,0 +1,85 @@
+"""hvd_syncbn.launchers names what started a process, and the world size it declares,
+from the variables the launchers set.
+
+The environments in ``launcher_envs.json`` were printed by ranks the real launchers
+started (Slurm 22.05 srun with pmix, pmi2 and none, sbatch and salloc shells, Open MPI
+4.1's mpirun alone and inside an allocation, horovodrun --gloo and --mpi, torchrun, MPICH
+4.0's Hydra), each recorded with the command that ran it; mpirun, horovodrun and torchrun
+are also run here. srun is run for real in ``test_slurm.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hvd_syncbn import launchers
+from test_launch import BIN, clean_env, launch_command
+
+ROOT = Path(__file__).resolve().parents[1]
+RECORDED = json.loads((Path(__file__).parent / "launcher_envs.json").read_text())
+
+
+@pytest.mark.parametrize("case", sorted(RECORDED))
+def test_recorded_environments(case):
+    rec = RECORDED[case]
+    assert launchers.launcher(rec["env"]) == rec["launcher"], rec["launched with"]
+    assert launchers.world_size(rec["env"]) == rec["size"], rec["launched with"]
+
+
+@pytest.mark.parametrize("inner", ["torchrun", "hvdrun-gloo"])
+@pytest.mark.parametrize("outer", ["srun-pmix", "salloc-mpirun"])
+def test_the_innermost_launcher_wins(inner, outer):
+    """``srun torchrun ...`` or ``mpirun horovodrun --gloo ...``: each rank carries both
+    launchers' variables, and was started by the inner one."""
+    env = {**RECORDED[outer]["env"], **RECORDED[inner]["env"]}
+    assert (launchers.launcher(env), launchers.world_size(env)) == (RECORDED[inner]["launcher"],
+                                                                    RECORDED[inner]["size"])
+
+
+def test_alone_and_defaults():
+    assert (launchers.launcher({}), launchers.world_size({})) == (None, None)
+    assert (launchers.launcher({"PATH": "/usr/bin", "HOROVOD_CYCLE_TIME": "0.1"}),
+            launchers.world_size({"HOROVOD_CYCLE_TIME": "0.1"})) == (None, None)
+    # A PMIx launcher that states no size (the rank alone), and the default environment.
+    assert (launchers.launcher({"PMIX_RANK": "0"}), launchers.world_size({"PMIX_RANK": "0"})) == \
+        ("a PMIx launcher", None)
+    assert launchers.launcher() == launchers.launcher(dict(__import__("os").environ))
+
+
+def test_a_bad_size_says_which_variable():
+    env = {**RECORDED["srun-pmix"]["env"]}
+    env.pop("SLURM_STEP_NUM_TASKS")
+    assert launchers.world_size(env) == 4  # SLURM_NTASKS, as older Slurm sets
+    env["SLURM_NTASKS"] = "many"
+    with pytest.raises(ValueError, match=r"launched by srun --mpi=pmix: expected SLURM_STEP_NUM_TASKS "
+                                         r"to be a positive integer, got 'many'"):
+        launchers.world_size(env)
+
+
+PROBE = """
+import os, sys
+from hvd_syncbn import launchers
+with open(os.path.join(sys.argv[1], str(os.getpid())), "w") as f:  # a file each: mpirun interleaves stdout
+    f.write(f"{launchers.launcher()} {launchers.world_size()}")
+"""
+
+
+@pytest.mark.parametrize("cmd, expected", [
+    (launch_command("mpirun", 2) + [sys.executable], ["mpirun (Open MPI) 2"] * 2),
+    (launch_command("horovodrun-gloo", 2) + [sys.executable], ["horovodrun --gloo 2"] * 2),
+    ([str(BIN / "torchrun"), "--nproc-per-node", "2"], ["torchrun 2"] * 2),
+    ([sys.executable], ["None None"]),
+], ids=["mpirun", "horovodrun-gloo", "torchrun", "alone"])
+def test_real_launchers(cmd, expected, tmp_path):
+    probe, found = tmp_path / "probe.py", tmp_path / "found"
+    probe.write_text(PROBE)
+    found.mkdir()
+    out = subprocess.run(cmd + [str(probe), str(found)], cwd=ROOT, env={**clean_env(), "PYTHONPATH": str(ROOT)},
+                         capture_output=True, text=True, timeout=120)
+    named = [f.read_text() for f in found.iterdir()]
+    assert out.returncode == 0 and named == expected, f"{named}\n{out.stdout}{out.stderr[-3000:]}"
