@@ -20,6 +20,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 
+from hvd_syncbn import launchers
 from hvd_syncbn.comm import Communicator, env_flag
 
 log = logging.getLogger("hvd_syncbn")
@@ -94,7 +95,7 @@ class Transport:
 class MpiTransport(Transport):
     """mpi4py, under an MPI launcher (:class:`MpiCommunicator`)."""
 
-    name, chosen_because = "mpi", "launched by mpirun with mpi4py"
+    name, chosen_because = "mpi", "mpi4py under an MPI launcher"
 
     def unavailable(self, request: Request) -> Optional[str]:
         return mpi_usable(*(request.horovod or (None, None))) or None
@@ -165,7 +166,8 @@ class Registry:
         if key not in self.built:
             self.built[key] = build()
             if len(self.built) == 1 and self.built[key].rank == 0:
-                log.warning("hvd_syncbn: statistics travel over %s (%s; set %s to change)", key[0], why, COMM_ENV)
+                log.warning("hvd_syncbn: statistics travel over %s (%s; ranks started by %s; set %s to change)",
+                            key[0], why, launchers.launcher() or "no launcher", COMM_ENV)
         return self.built[key]
 
 

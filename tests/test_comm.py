@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 
 import numpy as np
@@ -246,6 +247,26 @@ def test_transport_rule(monkeypatch):
     with pytest.raises(ValueError, match="bn: comm='torch' is not a TensorFlow transport; with TensorFlow use "
                                          "'auto', 'mpi', 'horovod'"):
         transports.Registry("TensorFlow", transports.MpiTransport(), transports.HorovodTransport()).resolve("torch", alone)
+
+
+def test_the_transport_line_names_the_launcher_that_started_the_ranks(monkeypatch, caplog):
+    """Rank 0 logs which transport carries the statistics, why, and what started the
+    ranks, read from the launcher's environment (here srun's, as recorded on a cluster)."""
+    for key in [k for k in os.environ if k.startswith(("OMPI_", "PMI", "SLURM_", "HOROVOD_", "TORCHELASTIC"))]:
+        monkeypatch.delenv(key)
+    monkeypatch.setenv("SLURM_STEP_ID", "0")
+    monkeypatch.setenv("SLURM_MPI_TYPE", "pmix")
+
+    class Threads(transports.Transport):
+        name, chosen_because = "torch", "the test's world"
+
+        def build(self, request, registry):
+            return world(2)[0]
+
+    with caplog.at_level("WARNING", logger="hvd_syncbn"):
+        transports.Registry("Test", Threads()).resolve("auto", transports.Request("bn"))
+    assert "statistics travel over torch (the test's world; ranks started by srun --mpi=pmix; set HVD_SYNCBN_COMM" \
+        in caplog.text, caplog.text
 
 
 def test_a_registered_transport_is_built_once_per_group_and_chosen_by_name():
