@@ -1,5 +1,5 @@
-"""Helpers shared by the test files: an in-process world of ranks as threads, and a
-temporary folder per process.
+"""Helpers shared by the test files: the markers of the test tiers, an in-process world
+of ranks as threads, and a temporary folder per process.
 
 pytest loads this file under horovodrun and mpirun too (the ``ranks_*.py`` suites), so it
 imports only the standard library, numpy, pytest and the framework-free
@@ -18,6 +18,21 @@ import numpy as np
 import pytest
 
 from hvd_syncbn import comm
+
+
+MARKERS = {
+    "ranks": "starts ranks under horovodrun or mpirun on this machine (the rank-side suites, launched scripts)",
+    "failures": "ranks that disagree, send bad input or die, launched; every rank must stop in time",
+    "multihost": "ranks on 2 emulated hosts (network namespaces; needs root and iproute2)",
+    "image": "builds the container image (launch/image.sh, as root) and runs in it",
+    "slow": "takes a minute or more on a 2-core machine",
+}
+
+
+def pytest_configure(config):
+    """Registers the tiers' markers: ``pytest -m "not image and not multihost"`` and the like."""
+    for name, what in MARKERS.items():
+        config.addinivalue_line("markers", f"{name}: {what}")
 
 
 class ThreadComm(comm.Communicator):

@@ -21,7 +21,9 @@ import pytest
 import torch
 
 from test_demo import DEMO, epochs
-from test_launch import BIN, ROOT, clean_env, launch_command
+from launching import BIN, ROOT, clean_env, launch_command
+
+pytestmark = pytest.mark.failures
 
 T = 5.0
 EXTRA = ["layer 'head.extra' forward, step 0", "layer 'body.bn1' forward, step 2"]
