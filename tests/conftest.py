@@ -9,6 +9,7 @@ imports only the standard library, numpy, pytest and the framework-free
 from __future__ import annotations
 
 import contextlib
+import os
 import tempfile
 import threading
 from pathlib import Path
@@ -115,6 +116,12 @@ def collective_timeout(seconds: float):
         yield
     finally:
         comm._timeout = None
+
+
+def tensorflow():
+    """TensorFlow, imported quietly (skips where it is not installed)."""
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    return pytest.importorskip("tensorflow")
 
 
 @pytest.fixture
