@@ -18,6 +18,12 @@ from oracle import EMPTY, UNEQUAL, assert_as_accurate, assert_close, global_batc
 STEPS = 3
 
 
+def collectives(size: int) -> int:
+    """Collectives each rank makes in ``STEPS`` training steps: one per direction per
+    step; none alone, where the layer is plain BN."""
+    return 2 * STEPS if size > 1 else 0
+
+
 @pytest.fixture(autouse=True)
 def bounded_collectives():
     """A rank that waits for a peer raises within seconds rather than the default minute."""
@@ -60,6 +66,8 @@ TORCH_WORLD_CASES = {
 
 
 @pytest.mark.parametrize("stats", ["host", "device"])
+# Not at 1 rank: a world of 1 before the others made a later world of 2 or 3 time out in
+# 1 run of 3 (not understood yet); ranks_torch.py checks the layer alone, launched plainly.
 @pytest.mark.parametrize("size", [2, 3])
 @pytest.mark.parametrize("case", TORCH_WORLD_CASES)
 def test_torch_layer_in_a_thread_world_matches_plain_bn(case, size, stats):
@@ -111,7 +119,7 @@ def test_torch_layer_in_a_thread_world_matches_plain_bn(case, size, stats):
             ref, ref32 = ({n: t[mine] if n in ("output", "input grad") else t for n, t in e.items()}
                           for e in (expected, want32[step]))
             assert_as_accurate(ours, ref32, ref, f"rank {r} ({what})")
-    assert [c.calls for c in comms] == [2 * STEPS] * size, "expected one collective per direction per step"
+    assert [c.calls for c in comms] == [collectives(size)] * size, "expected one collective per direction per step"
     x = torch.from_numpy(global_batch(50, sum(sizes), tail, offset=offset, scale=scale))
     with torch.no_grad():
         ref, ref32 = (model.eval()(x.to(dtype)) for model, dtype in ((plain, torch.float64), (plain32, torch.float32)))
@@ -119,7 +127,7 @@ def test_torch_layer_in_a_thread_world_matches_plain_bn(case, size, stats):
             mine = shard_slice(sizes, r)
             assert_as_accurate({"eval output": layer.eval()(x[mine])}, {"eval output": ref32[mine]},
                                {"eval output": ref[mine]}, f"rank {r}")
-    assert [c.calls for c in comms] == [2 * STEPS] * size, "eval communicated"
+    assert [c.calls for c in comms] == [collectives(size)] * size, "eval communicated"
 
 
 def test_torch_bad_input_on_one_rank_fails_every_rank_naming_it():
@@ -181,7 +189,7 @@ KERAS_WORLD_CASES = {
 # inter-op pool runs the stateful numpy_function hops of the ranks' graphs in an order
 # that does not match across ranks (the identity header then raises); one process per
 # rank, as under a launcher, has no such pool to share.
-KERAS_WORLDS = [(case, size, False) for case in KERAS_WORLD_CASES for size in (2, 3)]
+KERAS_WORLDS = [(case, size, False) for case in KERAS_WORLD_CASES for size in (1, 2, 3)]
 KERAS_WORLDS += [("channels-last", 2, True), ("3d-channels-last-mask", 2, True)]
 
 
@@ -242,13 +250,13 @@ def test_keras_layer_in_a_thread_world_matches_keras_bn(case, size, compiled):
         for i in (2, 3):  # float32 sums of ~10² O(1) terms that nearly cancel
             summed = sum(got[k][step][i] for k in range(size))
             assert_close(summed, expected[i], f"{names[i]} summed over ranks ({what})", atol=1e-5)
-    assert [c.calls for c in comms] == [2 * STEPS] * size, "expected one collective per direction per step"
+    assert [c.calls for c in comms] == [collectives(size)] * size, "expected one collective per direction per step"
     x = global_batch(50, sum(sizes), tail)
     want_eval = plain(x, training=False).numpy()
     for k, layer in enumerate(layers):
         mine = shard_slice(sizes, k)
         assert_close(layer(x[mine], training=False), want_eval[mine], f"inference output, rank {k}")
-    assert [c.calls for c in comms] == [2 * STEPS] * size, "inference communicated"
+    assert [c.calls for c in comms] == [collectives(size)] * size, "inference communicated"
 
 
 def test_keras_bad_input_on_one_rank_fails_every_rank_naming_it():
