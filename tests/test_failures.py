@@ -144,6 +144,7 @@ def deterministic_env() -> dict:
     return {**clean_env(), "HOROVOD_FUSION_THRESHOLD": "0"}
 
 
+@pytest.mark.slow
 def test_demo_killed_mid_training_resumes_like_uninterrupted(tmp_path):
     whole = subprocess.run(
         launch_command("horovodrun-gloo", 3) + [sys.executable, str(DEMO), *DEMO_ARGS,
