@@ -79,7 +79,7 @@ def assert_as_accurate(got: Mapping[str, Any], plain: Mapping[str, Any], ref: Ma
     wrong statistic (ill-conditioned nets, large offsets), and so that the bound follows
     each machine's own kernels. Measured at 1-4 ranks: ours uses at most 0.29 of it on
     the real models (``ranks_models.py``), 0.19 in the oracle cases of ``ranks_torch.py``
-    and the thread worlds of ``test_backend.py``; local BN on the shards exceeds it in
+    and the thread worlds of ``unit/test_thread_worlds.py``; local BN on the shards exceeds it in
     20-80% of the real models' tensors, by 1e3 and more.
     """
     assert list(got) == list(ref) == list(plain), f"{what}: tensors differ: {list(got)}, {list(plain)}, {list(ref)}"

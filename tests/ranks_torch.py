@@ -11,7 +11,7 @@ At 1 rank the contract is different, and so is what the oracle cases assert: alo
 statistics must be bitwise equal to plain BN's (``rtol=atol=0``: :func:`tolerance`, and
 ``alone`` in :func:`run_steps`) and it makes no SyncBN collective
 (:func:`no_collective_when_alone`). The synchronized path in one process is covered by
-the thread-world tests of ``test_backend.py`` (2 and 3 ranks as threads, each with its
+the thread-world tests of ``unit/test_thread_worlds.py`` (2 and 3 ranks as threads, each with its
 own communicator).
 """
 
