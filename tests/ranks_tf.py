@@ -26,7 +26,7 @@ from hvd_syncbn.tensorflow import (  # noqa: E402
 )
 from keras_models import small_model  # noqa: E402
 from oracle import (  # noqa: E402
-    EMPTY, UNEQUAL, assert_as_accurate, assert_close, global_batch, shard_sizes, shard_slice,
+    EMPTY, UNEQUAL, assert_as_accurate, assert_close, eval_batch, global_batch, shard_sizes, shard_slice, training_batches,
 )
 
 os.environ.setdefault("HOROVOD_TIMELINE", "DYNAMIC")
@@ -121,12 +121,10 @@ def run_steps(sync, plain, tail, pattern, steps=3, compiled=False, mask=False, s
         atol = 4 * 1.5 * float(np.finfo(np.float32).eps) * np.abs(x).max() / std
         return (tol or dict(rtol=1e-5, atol=atol)), (tol or dict(rtol=1e-5, atol=atol * max(1.0, 1 / std)))
 
-    for step in range(steps):
-        x_all = global_batch(step, sum(sizes), tail, offset=scale * step, scale=scale)
+    for step, (x_all, r_all, m_all) in enumerate(training_batches(sum(sizes), tail, steps, drift=scale, scale=scale,
+                                                                   mask=mask)):
         step_tol, grad_tol = conditioned(x_all)
         grad_tol = {**grad_tol, "atol": grad_atol} if grad_atol else grad_tol
-        r_all = global_batch(100 + step, sum(sizes), tail)
-        m_all = global_batch(200 + step, sum(sizes), tail[:-1]) > -0.5 if mask else None
         y_all, g_all = fwd_bwd(plain, tf.constant(x_all), tf.constant(r_all, plain.variable_dtype),
                                None if m_all is None else tf.constant(m_all))
         y, g = step_fn(sync, tf.constant(x_all[mine]), tf.constant(r_all[mine]),
@@ -143,7 +141,7 @@ def run_steps(sync, plain, tail, pattern, steps=3, compiled=False, mask=False, s
         renorm = ("moving_stddev", "renorm_mean", "renorm_stddev") if getattr(plain, "renorm", False) else ()
         for name in ("moving_mean", "moving_variance", *renorm):
             assert_close(getattr(sync, name), getattr(plain, name), f"{name} ({what})", **step_tol)
-    x_all = global_batch(50, sum(sizes), tail)
+    x_all = eval_batch(sum(sizes), tail)
     assert_close(sync(x_all[mine], training=False), plain(x_all, training=False)[mine.start:mine.stop],
                  f"inference output, rank {RANK}", **conditioned(x_all)[0])
 

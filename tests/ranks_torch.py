@@ -29,7 +29,9 @@ from torch import nn
 from hvd_syncbn import comm as transport
 from hvd_syncbn.torch import SyncBatchNorm, convert_sync_batchnorm
 from hvd_syncbn.torch import batchnorm
-from oracle import EMPTY, UNEQUAL, assert_as_accurate, assert_close, global_batch, shard_sizes, shard_slice
+from oracle import (
+    EMPTY, UNEQUAL, assert_as_accurate, assert_close, eval_batch, global_batch, shard_sizes, shard_slice, training_batches,
+)
 
 hvd = pytest.importorskip("horovod.torch")
 
@@ -107,9 +109,8 @@ def run_steps(sync, plain, tail, pattern, steps=3, seed=0, channels_last=False, 
     sizes = shard_sizes(pattern, ps.size())
     mine = shard_slice(sizes, rank)
     plain64 = copy.deepcopy(plain).double()
-    for step in range(steps):
-        x_all = torch.from_numpy(global_batch(seed + step, sum(sizes), tail, offset=drift * step))
-        r_all = torch.from_numpy(global_batch(100 + seed + step, sum(sizes), tail))
+    for step, (x_all, r_all, _) in enumerate(training_batches(sum(sizes), tail, steps, seed, drift=drift)):
+        x_all, r_all = torch.from_numpy(x_all), torch.from_numpy(r_all)
         if channels_last:
             x_all = x_all.to(memory_format=torch.channels_last)
         got, y = trained(sync, x_all[mine], r_all[mine], slice(None), f"grad.{step}", ps)
@@ -119,7 +120,7 @@ def run_steps(sync, plain, tail, pattern, steps=3, seed=0, channels_last=False, 
         want64, _ = trained(plain64, x_all.double(), r_all, mine, "")
         assert_as_accurate(got, want32, want64, f"step {step}, rank {rank} of {sizes}", alone=alone)
     # Eval after training: running statistics (or batch ones), no communication needed.
-    x_all = torch.from_numpy(global_batch(seed + 50, sum(sizes), tail))
+    x_all = torch.from_numpy(eval_batch(sum(sizes), tail, seed))
     with torch.no_grad():
         outs = [{"eval output": layer.eval()(x)[rows]}
                 for layer, x, rows in ((sync, x_all[mine], slice(None)), (plain, x_all, mine),

@@ -13,7 +13,9 @@ import pytest
 
 from conftest import collective_timeout, results, run, tensorflow, world
 from hvd_syncbn import comm
-from oracle import EMPTY, UNEQUAL, assert_as_accurate, assert_close, global_batch, shard_sizes, shard_slice
+from oracle import (
+    EMPTY, UNEQUAL, assert_as_accurate, assert_close, eval_batch, global_batch, shard_sizes, shard_slice, training_batches,
+)
 
 STEPS = 3
 
@@ -83,8 +85,8 @@ def test_torch_layer_in_a_thread_world_matches_plain_bn(case, size, stats):
     comms, layers, plain = torch_pair(size, tail, stats=stats, **c.get("kwargs", {}))
     plain32 = copy.deepcopy(plain).float()
     sizes = shard_sizes(c["pattern"], size)
-    batches = [(torch.from_numpy(global_batch(step, sum(sizes), tail, offset=offset + scale * step, scale=scale)),
-                torch.from_numpy(global_batch(100 + step, sum(sizes), tail))) for step in range(STEPS)]
+    batches = [(torch.from_numpy(x), torch.from_numpy(r))
+               for x, r, _ in training_batches(sum(sizes), tail, STEPS, offset=offset, drift=scale, scale=scale)]
     state = ("running_mean", "running_var", "num_batches_tracked")
 
     def train(layer, x, r):
@@ -120,7 +122,7 @@ def test_torch_layer_in_a_thread_world_matches_plain_bn(case, size, stats):
                           for e in (expected, want32[step]))
             assert_as_accurate(ours, ref32, ref, f"rank {r} ({what})")
     assert [c.calls for c in comms] == [collectives(size)] * size, "expected one collective per direction per step"
-    x = torch.from_numpy(global_batch(50, sum(sizes), tail, offset=offset, scale=scale))
+    x = torch.from_numpy(eval_batch(sum(sizes), tail, offset=offset, scale=scale))
     with torch.no_grad():
         ref, ref32 = (model.eval()(x.to(dtype)) for model, dtype in ((plain, torch.float64), (plain32, torch.float32)))
         for r, layer in enumerate(layers):
@@ -204,8 +206,7 @@ def test_keras_layer_in_a_thread_world_matches_keras_bn(case, size, compiled):
     tail, mask = c["tail"], c.get("mask", False)
     comms, layers, plain = keras_pair(size, tail, c["axis"])
     sizes = shard_sizes(c["pattern"], size)
-    batches = [(global_batch(step, sum(sizes), tail, offset=step), global_batch(100 + step, sum(sizes), tail),
-                global_batch(200 + step, sum(sizes), tail[:-1]) > -0.5 if mask else None) for step in range(STEPS)]
+    batches = training_batches(sum(sizes), tail, STEPS, mask=mask)
 
     def train(layer, x, r, m):
         x, r = tf.cast(x, layer.variable_dtype), tf.cast(r, layer.variable_dtype)
@@ -251,7 +252,7 @@ def test_keras_layer_in_a_thread_world_matches_keras_bn(case, size, compiled):
             summed = sum(got[k][step][i] for k in range(size))
             assert_close(summed, expected[i], f"{names[i]} summed over ranks ({what})", atol=1e-5)
     assert [c.calls for c in comms] == [collectives(size)] * size, "expected one collective per direction per step"
-    x = global_batch(50, sum(sizes), tail)
+    x = eval_batch(sum(sizes), tail)
     want_eval = plain(x, training=False).numpy()
     for k, layer in enumerate(layers):
         mine = shard_slice(sizes, k)
