@@ -56,9 +56,32 @@ if ! buildah inspect --type image "$BASE" >/dev/null 2>&1; then
   buildah commit -q --rm "$ctr" "$BASE" >/dev/null
 fi
 
-# 2. The image. The wheel cache is this host's own, read-write: install.sh in the build
-#    finds the Horovod wheel built here (or builds it here, once), and the Dockerfile
-#    deletes its cache folder only when it is not a mount.
+# 2. The image, unless one built from the same files is there. Its label holds a digest of
+#    every file `COPY .` copies (the paths .dockerignore leaves out are left out here too),
+#    the base image and the arguments: with nothing changed, a rebuild costs seconds
+#    instead of minutes. HVD_SYNCBN_REBUILD=1 builds anyway (e.g. to take newer packages).
+LABEL=org.hvd_syncbn.context
+excluded=()
+while read -r pattern; do
+  case $pattern in
+    ''|'#'*) ;;
+    '**/'*) excluded+=(-o -name "${pattern#'**/'}") ;;
+    *) excluded+=(-o -path "./$pattern") ;;
+  esac
+done < <(cat "$ROOT/.dockerignore" 2>/dev/null)
+context=$(cd "$ROOT" && find . \( -false "${excluded[@]}" \) -prune -o -type f -print0 | LC_ALL=C sort -z \
+  | xargs -0 sha256sum | sha256sum | cut -d' ' -f1)
+key=$(printf '%s\n' "$context" "$(buildah inspect --type image --format '{{.FromImageID}}' "$BASE")" "$@" \
+  | sha256sum | cut -d' ' -f1)
+built=$(buildah inspect --type image --format "{{index .OCIv1.Config.Labels \"$LABEL\"}}" "$TAG" 2>/dev/null || true)
+if [ "${HVD_SYNCBN_REBUILD:-0}" != 1 ] && [ "$built" = "$key" ]; then
+  log "$TAG is up to date: built from these same files (HVD_SYNCBN_REBUILD=1 to build it anyway)"
+  exit 0
+fi
+
+# The wheel cache is this host's own, read-write: install.sh in the build finds the
+# Horovod wheel built here (or builds it here, once), and the Dockerfile deletes its cache
+# folder only when it is not a mount.
 mkdir -p "$CACHE"
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
@@ -95,5 +118,6 @@ for path in "${targets[@]}"; do
   elif [ -d "$rootfs$path" ]; then rmdir --ignore-fail-on-non-empty "$rootfs$path"; fi
 done
 buildah umount "$ctr" >/dev/null
+buildah config --label "$LABEL=$key" "$ctr"
 buildah commit -q --rm "$ctr" "$TAG" >/dev/null
 log "built $TAG in $((SECONDS - start)) s, $(buildah images --format '{{.Size}}' "$TAG")"

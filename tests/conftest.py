@@ -1,5 +1,5 @@
-"""Helpers shared by the test files: an in-process world of ranks as threads, and a
-temporary folder per process.
+"""Helpers shared by the test files: the markers of the test tiers, an in-process world
+of ranks as threads, and a temporary folder per process.
 
 pytest loads this file under horovodrun and mpirun too (the ``ranks_*.py`` suites), so it
 imports only the standard library, numpy, pytest and the framework-free
@@ -9,6 +9,7 @@ imports only the standard library, numpy, pytest and the framework-free
 from __future__ import annotations
 
 import contextlib
+import os
 import tempfile
 import threading
 from pathlib import Path
@@ -18,6 +19,21 @@ import numpy as np
 import pytest
 
 from hvd_syncbn import comm
+
+
+MARKERS = {
+    "ranks": "starts ranks under horovodrun or mpirun on this machine (the rank-side suites, launched scripts)",
+    "failures": "ranks that disagree, send bad input or die, launched; every rank must stop in time",
+    "multihost": "ranks on 2 emulated hosts (network namespaces; needs root and iproute2)",
+    "image": "builds the container image (launch/image.sh, as root) and runs in it",
+    "slow": "takes a minute or more on a 2-core machine",
+}
+
+
+def pytest_configure(config):
+    """Registers the tiers' markers: ``pytest -m "not image and not multihost"`` and the like."""
+    for name, what in MARKERS.items():
+        config.addinivalue_line("markers", f"{name}: {what}")
 
 
 class ThreadComm(comm.Communicator):
@@ -102,6 +118,12 @@ def collective_timeout(seconds: float):
         comm._timeout = None
 
 
+def tensorflow():
+    """TensorFlow, imported quietly (skips where it is not installed)."""
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    return pytest.importorskip("tensorflow")
+
+
 @pytest.fixture
 def rank_tmp():
     """A temporary folder of this process's own. (pytest's ``tmp_path`` keeps one numbered
@@ -109,9 +131,3 @@ def rank_tmp():
     make and clean up: once in 20 multi-host runs a rank failed at exit on that link.)"""
     with tempfile.TemporaryDirectory() as folder:
         yield Path(folder)
-
-
-def pytest_configure(config):
-    """The markers test files use (``-m "not slow"`` deselects the long launcher tests)."""
-    config.addinivalue_line("markers", "multihost: runs jobs across several (emulated) hosts or nodes")
-    config.addinivalue_line("markers", "slow: takes minutes (a cluster, real jobs)")

@@ -38,6 +38,22 @@ def global_batch(seed: int, rows: int, tail: Sequence[int], offset: float = 0.0,
     return (offset + scale * rng.standard_normal((rows, *tail))).astype(np.float32)
 
 
+def training_batches(rows: int, tail: Sequence[int], steps: int = 3, seed: int = 0, offset: float = 0.0,
+                     drift: float = 1.0, scale: float = 1.0, mask: bool = False) -> list:
+    """The global batches of the oracle's training steps, the same on every rank and in
+    every suite: per step ``(x, r, m)``, the input (``scale`` times unit normal, its mean
+    at ``offset + drift·step``), the upstream gradient ``r`` (the loss is ``Σ y·r``), and
+    with ``mask`` a boolean mask over all axes but the last (else ``None``)."""
+    return [(global_batch(seed + step, rows, tail, offset=offset + drift * step, scale=scale),
+             global_batch(100 + seed + step, rows, tail),
+             global_batch(200 + seed + step, rows, tail[:-1]) > -0.5 if mask else None) for step in range(steps)]
+
+
+def eval_batch(rows: int, tail: Sequence[int], seed: int = 0, offset: float = 0.0, scale: float = 1.0):
+    """The global batch the oracle evaluates on after :func:`training_batches`."""
+    return global_batch(seed + 50, rows, tail, offset=offset, scale=scale)
+
+
 def assert_close(got, want, what: str, rtol: float = 1e-5, atol: float = 1e-6) -> None:
     """``np.testing``-style closeness that prints the largest difference and where."""
     got, want = _numpy(got), _numpy(want)
@@ -79,7 +95,7 @@ def assert_as_accurate(got: Mapping[str, Any], plain: Mapping[str, Any], ref: Ma
     wrong statistic (ill-conditioned nets, large offsets), and so that the bound follows
     each machine's own kernels. Measured at 1-4 ranks: ours uses at most 0.29 of it on
     the real models (``ranks_models.py``), 0.19 in the oracle cases of ``ranks_torch.py``
-    and the thread worlds of ``test_backend.py``; local BN on the shards exceeds it in
+    and the thread worlds of ``unit/test_thread_worlds.py``; local BN on the shards exceeds it in
     20-80% of the real models' tensors, by 1e3 and more.
     """
     assert list(got) == list(ref) == list(plain), f"{what}: tensors differ: {list(got)}, {list(plain)}, {list(ref)}"

@@ -1,8 +1,9 @@
 """Real models from timm and torchvision, converted, against the unconverted model
-trained in one process on the concatenated batch; and what the converter refuses.
+trained in one process on the concatenated batch; and a subclass opted in.
 
 Runs at any world size (``test_launch.py``: 1 rank plainly, 2 and 3 ranks under
-horovodrun and mpirun). Every rank builds the same model from a seed, keeps an
+mpirun). What the converter refuses and keeps, which does not depend on the world size,
+is tested once in ``unit/test_torch_layer.py``. Every rank builds the same model from a seed, keeps an
 unconverted copy and trains it on the whole batch, and trains the converted model on
 its own shard (2, 3 and 0 images at 3 ranks: unequal, one empty).
 """
@@ -11,8 +12,6 @@ from __future__ import annotations
 
 import copy
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -129,40 +128,6 @@ def test_converted_model_trains_like_one_process(name):
         assert torch.equal(value, state[key]), f"revert changed {key}"
 
 
-def test_timm_layer_keeps_act_drop_and_attributes():
-    from timm.layers import BatchNormAct2d
-
-    layer = BatchNormAct2d(6, act_layer=nn.SiLU, drop_layer=nn.Dropout2d, momentum=0.3, eps=1e-4)
-    layer.weight.requires_grad_(False)
-    layer.custom_tag = "kept"
-    act, drop = layer.act, layer.drop
-    new = convert_sync_batchnorm(layer)
-    assert type(new) is SyncBatchNormAct2d and new.act is act and new.drop is drop
-    assert (new.momentum, new.eps, new.custom_tag, new.weight.requires_grad) == (0.3, 1e-4, "kept", False)
-    with pytest.raises(ValueError, match=r"expected 4D input \(got 3D input"):
-        new(torch.ones(2, 6, 3))
-    back = revert_sync_batchnorm(new)
-    assert type(back) is BatchNormAct2d and back.act is act and back.custom_tag == "kept"
-    assert not hasattr(back, "layer_name") and not hasattr(back, "process_set")
-
-
-def test_unknown_bn_subclass_raises_naming_it():
-    """timm's SplitBatchNorm2d (its own forward over batch splits) and a user's subclass."""
-    from timm.layers import convert_splitbn_model
-
-    model = convert_splitbn_model(timm.create_model("resnet18", pretrained=False, num_classes=3), num_splits=2)
-    with pytest.raises(ValueError, match=r"'bn1' is a timm\.layers\.split_batchnorm\.SplitBatchNorm2d, a subclass "
-                                         r"of BatchNorm2d this converter does not know.*classes="):
-        convert_sync_batchnorm(model)
-
-    class ScaledBN(nn.BatchNorm2d):
-        def forward(self, x):
-            return 2 * super().forward(x)
-
-    with pytest.raises(ValueError, match=r"'1' is a .*ScaledBN"):
-        convert_sync_batchnorm(nn.Sequential(nn.Conv2d(3, 4, 1), ScaledBN(4)))
-
-
 def test_opt_in_for_a_custom_subclass_computes_what_it_did():
     class ScaledBN(nn.BatchNorm2d):
         def __init__(self, c, factor):
@@ -189,34 +154,3 @@ def test_opt_in_for_a_custom_subclass_computes_what_it_did():
         convert_sync_batchnorm(model, classes={ScaledBN: nn.BatchNorm2d})
 
 
-def test_lazy_bn_raises_until_initialised_then_converts():
-    model = nn.Sequential(nn.LazyConv2d(4, 1), nn.LazyBatchNorm2d())
-    with pytest.raises(ValueError, match=r"uninitialised LazyBatchNorm2d at '1'; run one forward pass"):
-        convert_sync_batchnorm(model)
-    model(torch.ones(2, 3, 2, 2))
-    assert type(convert_sync_batchnorm(model)[1]) is SyncBatchNorm
-
-
-def test_torch_sync_batchnorm_converts_and_reverts():
-    model = nn.Sequential(nn.Conv2d(3, 4, 1), nn.SyncBatchNorm(4, momentum=0.2))
-    convert_sync_batchnorm(model)
-    assert type(model[1]) is SyncBatchNorm and model[1].momentum == 0.2 and model[1].layer_name == "1"
-    assert type(revert_sync_batchnorm(model)[1]) is nn.SyncBatchNorm
-
-
-def test_conversion_keeps_device_dtype_training_and_requires_grad():
-    model = nn.Sequential(nn.BatchNorm2d(4, dtype=torch.float64), nn.BatchNorm1d(3)).eval()
-    model[0].bias.requires_grad_(False)
-    params = [model[0].weight, model[1].running_mean]
-    convert_sync_batchnorm(model)
-    assert all(type(m) is SyncBatchNorm for m in model)
-    assert model[0].weight.dtype == torch.float64 and model[0].weight.device.type == "cpu"
-    assert not model[0].training and not model[0].bias.requires_grad and model[0].weight.requires_grad
-    assert model[0].weight is params[0] and model[1].running_mean is params[1], "state not carried over as is"
-
-
-def test_importing_the_adapter_imports_neither_timm_nor_torchvision():
-    code = "import sys, hvd_syncbn.torch; print(sorted({'timm', 'torchvision'} & set(sys.modules)))"
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "PMIX_", "HOROVOD_"))}
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0 and out.stdout.strip() == "[]", out.stdout + out.stderr[-2000:]

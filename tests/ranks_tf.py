@@ -11,8 +11,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import subprocess
-import sys
 from unittest import mock
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -26,8 +24,9 @@ from hvd_syncbn.tensorflow import (  # noqa: E402
     BroadcastGlobalVariablesCallback, DistributedOptimizer, MetricAverageCallback, SyncBatchNormalization,
     convert_sync_batchnorm, sync_batch_normalization,
 )
+from keras_models import small_model  # noqa: E402
 from oracle import (  # noqa: E402
-    EMPTY, UNEQUAL, assert_as_accurate, assert_close, global_batch, shard_sizes, shard_slice,
+    EMPTY, UNEQUAL, assert_as_accurate, assert_close, eval_batch, global_batch, shard_sizes, shard_slice, training_batches,
 )
 
 os.environ.setdefault("HOROVOD_TIMELINE", "DYNAMIC")
@@ -122,12 +121,10 @@ def run_steps(sync, plain, tail, pattern, steps=3, compiled=False, mask=False, s
         atol = 4 * 1.5 * float(np.finfo(np.float32).eps) * np.abs(x).max() / std
         return (tol or dict(rtol=1e-5, atol=atol)), (tol or dict(rtol=1e-5, atol=atol * max(1.0, 1 / std)))
 
-    for step in range(steps):
-        x_all = global_batch(step, sum(sizes), tail, offset=scale * step, scale=scale)
+    for step, (x_all, r_all, m_all) in enumerate(training_batches(sum(sizes), tail, steps, drift=scale, scale=scale,
+                                                                   mask=mask)):
         step_tol, grad_tol = conditioned(x_all)
         grad_tol = {**grad_tol, "atol": grad_atol} if grad_atol else grad_tol
-        r_all = global_batch(100 + step, sum(sizes), tail)
-        m_all = global_batch(200 + step, sum(sizes), tail[:-1]) > -0.5 if mask else None
         y_all, g_all = fwd_bwd(plain, tf.constant(x_all), tf.constant(r_all, plain.variable_dtype),
                                None if m_all is None else tf.constant(m_all))
         y, g = step_fn(sync, tf.constant(x_all[mine]), tf.constant(r_all[mine]),
@@ -144,7 +141,7 @@ def run_steps(sync, plain, tail, pattern, steps=3, compiled=False, mask=False, s
         renorm = ("moving_stddev", "renorm_mean", "renorm_stddev") if getattr(plain, "renorm", False) else ()
         for name in ("moving_mean", "moving_variance", *renorm):
             assert_close(getattr(sync, name), getattr(plain, name), f"{name} ({what})", **step_tol)
-    x_all = global_batch(50, sum(sizes), tail)
+    x_all = eval_batch(sum(sizes), tail)
     assert_close(sync(x_all[mine], training=False), plain(x_all, training=False)[mine.start:mine.stop],
                  f"inference output, rank {RANK}", **conditioned(x_all)[0])
 
@@ -183,28 +180,6 @@ def test_matches_keras_bn_on_global_batch(case):
     sync, plain = make_pair(c["tail"], c.get("axis", -1), **c.get("kwargs", {}))
     run_steps(sync, plain, c["tail"], c["pattern"], compiled=c.get("compiled", False), mask=c.get("mask", False),
               scale=c.get("scale", 1.0), grad_atol=c.get("grad_atol"))
-
-
-@pytest.mark.parametrize("tail, axis, fused", [((5, 5, 4), -1, True), ((4, 6), 1, True), ((3, 2, 3, 4), 1, True),
-                                                ((6,), -1, True), ((3, 5, 4), [1, 3], False), ((3, 4, 5), 2, False)])
-def test_common_layouts_run_the_fused_kernels(tail, axis, fused):
-    """Channels right after the batch or last, any rank: forward and backward run
-    ``FusedBatchNormV3``/``FusedBatchNormGradV3`` (the equivalence tests above check
-    their results); other layouts, the composite ops."""
-    layer = SyncBatchNormalization(axis=axis)
-    layer.build((None, *tail))
-
-    @tf.function
-    def step(x):
-        with tf.GradientTape() as tape:
-            tape.watch(x)
-            y = layer(x, training=True)
-        return tape.gradient(y, [x] + layer.trainable_variables)
-
-    graph = step.get_concrete_function(tf.TensorSpec((None, *tail))).graph.as_graph_def()
-    kinds = {n.op for n in graph.node} | {n.op for f in graph.library.function for n in f.node_def}
-    want = {"FusedBatchNormV3", "FusedBatchNormGradV3"}
-    assert kinds & want == (want if fused else set()), sorted(kinds)
 
 
 def test_mixed_float16_keeps_float32_statistics():
@@ -247,77 +222,6 @@ def test_variance_survives_large_offset():
     assert_close(sync.moving_variance, want, "variance, mean 1e4 and std 0.1", rtol=1e-4, atol=0.0)
 
 
-def small_model(bn=keras.layers.BatchNormalization):
-    inputs = keras.Input((8, 8, 3))
-    x = keras.layers.Conv2D(6, 3, padding="same", use_bias=False)(inputs)
-    x = bn(name="stem_bn")(x)
-    x = keras.layers.ReLU()(x)
-    block = keras.Sequential([keras.layers.Conv2D(6, 3, padding="same", use_bias=False), bn(name="block_bn")],
-                             name="block")
-    x = block(x)
-    x = keras.layers.GlobalAveragePooling2D()(x)
-    return keras.Model(inputs, keras.layers.Dense(4)(x), name="small")
-
-
-def test_converter_replaces_nested_bn_and_keeps_weights():
-    keras.utils.set_random_seed(0)
-    model = small_model()
-    x = global_batch(9, 4, (8, 8, 3))
-    model(x, training=True)  # move the moving statistics off their initial values
-    converted = convert_sync_batchnorm(model)
-    kinds = {l.name: type(l) for l in converted.layers}
-    assert kinds["stem_bn"] is SyncBatchNormalization
-    assert type(converted.get_layer("block").get_layer("block_bn")) is SyncBatchNormalization
-    assert type(model.get_layer("stem_bn")) is keras.layers.BatchNormalization  # original untouched
-    for a, b in zip(converted.weights, model.weights):
-        assert a.name == b.name
-        assert_close(a, b, f"weight {a.path}")
-    assert_close(converted(x, training=False), model(x, training=False), "inference output")
-
-
-def renorm_model(bn=keras.layers.BatchNormalization):
-    inputs = keras.Input((6,))
-    x = keras.layers.Dense(4, name="dense")(inputs)
-    x = bn(renorm=True, renorm_clipping={"rmax": 2.0, "dmax": 1.0}, renorm_momentum=0.7, name="rn")(x)
-    return keras.Model(inputs, x)
-
-
-def test_converter_carries_renorm_config_and_weights():
-    keras.utils.set_random_seed(0)
-    model = renorm_model()
-    for seed in (3, 4):  # move every statistic off its initial value
-        model(global_batch(seed, 8, (6,), offset=seed), training=True)
-    converted = convert_sync_batchnorm(model)
-    layer = converted.get_layer("rn")
-    assert type(layer) is SyncBatchNormalization
-    assert (layer.renorm, layer.renorm_clipping, layer.renorm_momentum) == (True, {"rmax": 2.0, "dmax": 1.0}, 0.7)
-    assert [w.name for w in converted.weights] == [w.name for w in model.weights]
-    for a, b in zip(converted.weights, model.weights):
-        assert_close(a, b, f"weight {a.path}")
-    x = global_batch(5, 8, (6,), offset=1.0)  # the same rows on every rank: global = local statistics
-    assert_close(converted(x, training=True), model(x, training=True), "renorm training output", rtol=1e-5)
-    for a, b in zip(converted.weights, model.weights):
-        assert_close(a, b, f"{a.path} after a renorm step", rtol=1e-5)
-
-
-def test_converter_refuses_unknown_bn_subclasses_unless_mapped():
-    class TwiceBN(keras.layers.BatchNormalization):
-        def call(self, inputs, training=None, mask=None):
-            return 2 * super().call(inputs, training=training, mask=mask)
-
-    class SyncTwiceBN(SyncBatchNormalization):
-        def call(self, inputs, training=None, mask=None):
-            return 2 * super().call(inputs, training=training, mask=mask)
-
-    with pytest.raises(ValueError, match=r"layer 'rn' is a .*TwiceBN, a subclass of BatchNormalization this "
-                                         r"converter does not know.*classes="):
-        convert_sync_batchnorm(renorm_model(TwiceBN))
-    converted = convert_sync_batchnorm(renorm_model(TwiceBN), classes={TwiceBN: SyncTwiceBN})
-    assert type(converted.get_layer("rn")) is SyncTwiceBN
-    with pytest.raises(TypeError, match="expected classes to map BatchNormalization subclasses"):
-        convert_sync_batchnorm(renorm_model(), classes={TwiceBN: keras.layers.BatchNormalization})
-
-
 def test_renorm_with_an_axis_list_matches_keras_on_the_flattened_channels():
     """Channels over axes 1 and 3 of (N, 3, 5, 4) are Keras's last axis of the
     transposed (N, 5, 12); renorm's variables are shaped (3, 4) and (12,)."""
@@ -335,58 +239,6 @@ def test_renorm_with_an_axis_list_matches_keras_on_the_flattened_channels():
         got = getattr(sync, name)
         assert tuple(got.shape) == (3, 4), f"{name} shape {got.shape}"
         assert_close(np.reshape(got, -1), getattr(plain, name), f"axis-list {name}")
-
-
-def test_converter_rejects_what_it_cannot_convert():
-    with pytest.raises(ValueError, match="expected a Sequential or functional keras.Model, got Dense"):
-        convert_sync_batchnorm(keras.layers.Dense(3))
-
-
-def test_keras_file_saved_here_loads_in_a_plain_process(rank_tmp):
-    keras.utils.set_random_seed(0)
-    model = small_model(SyncBatchNormalization)
-    sizes = shard_sizes(UNEQUAL, WORLD)
-    x_all = global_batch(11, sum(sizes), (8, 8, 3))
-    model(x_all[shard_slice(sizes, RANK)], training=True)  # synchronised moving statistics
-    model.compile(optimizer=DistributedOptimizer(keras.optimizers.Adam()), loss="mse")  # saved with it
-    path = rank_tmp / "model.keras"
-    model.save(path)
-    want = model.predict(x_all, verbose=0)
-    code = (
-        "import sys, numpy as np, keras, hvd_syncbn.tensorflow\n"
-        "m = keras.models.load_model(sys.argv[1])\n"
-        "assert type(m.optimizer) is keras.optimizers.Adam, type(m.optimizer)\n"
-        "np.save(sys.argv[2], m.predict(np.load(sys.argv[3]), verbose=0))\n"
-    )
-    np.save(path.with_suffix(".x.npy"), x_all)
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "PMIX_", "HOROVOD_"))}
-    out = subprocess.run([sys.executable, "-c", code, str(path), str(path.with_suffix(".y.npy")),
-                          str(path.with_suffix(".x.npy"))], env=env, capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert_close(np.load(path.with_suffix(".y.npy")), want, "predictions after load in a plain process")
-
-
-@pytest.mark.parametrize(
-    "x, match",
-    [(np.ones((4, 3), np.int32), r"bn_bad: expected a floating-point input .* got int32; cast it first, "
-                                 r"e\.g\. tf\.cast\(x, tf\.float32\)"),
-     (np.ones((4, 3), np.complex64), r"bn_bad: expected a floating-point input .* got complex64"),
-     (np.ones((4,), np.float32), r"bn_bad: expected an input with at least 2 dims")],
-    ids=["int", "complex", "ndim"],
-)
-def test_bad_input_names_layer(x, match):
-    with pytest.raises(ValueError, match=match):
-        SyncBatchNormalization(name="bn_bad")(x, training=True)
-
-
-@pytest.mark.parametrize("kwargs, match", [(dict(momentum=1.5), r"momentum in \[0, 1\]"),
-                                           (dict(epsilon=0.0), "epsilon > 0"),
-                                           (dict(renorm=True, renorm_clipping={"rmax": 1.0, "rmin": 2.0}),
-                                            "rmax should"),
-                                           (dict(comm="nccl"), "comm: expected one of auto, horovod, mpi")])
-def test_bad_arguments(kwargs, match):
-    with pytest.raises(ValueError, match=match):
-        SyncBatchNormalization(**kwargs)
 
 
 # Adam's epsilon is raised from 1e-7: with it, elements whose gradient is float32 noise
@@ -491,18 +343,6 @@ def test_distributed_optimizer_under_xla_says_to_turn_it_off():
         model.fit(x, y, verbose=0)
 
 
-def test_layer_under_xla_says_to_turn_it_off():
-    """An explicit jit_compile=True: Keras's compile falls back with its own warning; a
-    tf.function(jit_compile=True) of the user's own raises ours, naming the layer."""
-    model = small_model(SyncBatchNormalization)
-    with pytest.warns(UserWarning, match="Model doesn't support `jit_compile=True`"):
-        model.compile(optimizer="sgd", loss="mse", jit_compile=True)
-    assert model.jit_compile is False
-    step = tf.function(lambda x: model(x, training=True), jit_compile=True)
-    with pytest.raises(ValueError, match=r"SyncBatchNormalization 'stem_bn' cannot run inside XLA yet"):
-        step(global_batch(42, 2, (8, 8, 3)))
-
-
 @pytest.mark.parametrize("opt", OPTIMIZERS)
 def test_model_fit_matches_one_process(opt):
     hist = fit_like_one_process(small_model, OPTIMIZERS[opt], (8, 8, 3), 4)
@@ -527,14 +367,6 @@ def test_converted_keras_application_fits_like_one_process():
     # ~1e2 whose float32 rounding (~3e-4 relative, plain Keras alike) rtol 1e-5 cannot hold.
     fit_like_one_process(make, lambda: keras.optimizers.SGD(1e-3), (32, 32, 3), 3, per_rank=4, steps=2,
                          as_accurate_as_float32=True)
-
-
-def test_distributed_optimizer_saves_as_plain_class_and_rejects_bad_op():
-    opt = DistributedOptimizer(keras.optimizers.Adam(1e-3))
-    assert isinstance(opt, keras.optimizers.Adam) and type(opt).__name__ == "Adam"
-    assert keras.optimizers.serialize(opt)["class_name"] == "Adam"
-    with pytest.raises(ValueError, match="expected op hvd.Average or hvd.Sum"):
-        DistributedOptimizer(keras.optimizers.SGD(), op=hvd.Adasum)
 
 
 def tower_shards(towers):

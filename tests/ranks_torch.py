@@ -11,7 +11,7 @@ At 1 rank the contract is different, and so is what the oracle cases assert: alo
 statistics must be bitwise equal to plain BN's (``rtol=atol=0``: :func:`tolerance`, and
 ``alone`` in :func:`run_steps`) and it makes no SyncBN collective
 (:func:`no_collective_when_alone`). The synchronized path in one process is covered by
-the thread-world tests of ``test_backend.py`` (2 and 3 ranks as threads, each with its
+the thread-world tests of ``unit/test_thread_worlds.py`` (2 and 3 ranks as threads, each with its
 own communicator).
 """
 
@@ -27,9 +27,11 @@ import torch
 from torch import nn
 
 from hvd_syncbn import comm as transport
-from hvd_syncbn.torch import SyncBatchNorm, convert_sync_batchnorm, revert_sync_batchnorm
+from hvd_syncbn.torch import SyncBatchNorm, convert_sync_batchnorm
 from hvd_syncbn.torch import kernels
-from oracle import EMPTY, UNEQUAL, assert_as_accurate, assert_close, global_batch, shard_sizes, shard_slice
+from oracle import (
+    EMPTY, UNEQUAL, assert_as_accurate, assert_close, eval_batch, global_batch, shard_sizes, shard_slice, training_batches,
+)
 
 hvd = pytest.importorskip("horovod.torch")
 
@@ -107,9 +109,8 @@ def run_steps(sync, plain, tail, pattern, steps=3, seed=0, channels_last=False, 
     sizes = shard_sizes(pattern, ps.size())
     mine = shard_slice(sizes, rank)
     plain64 = copy.deepcopy(plain).double()
-    for step in range(steps):
-        x_all = torch.from_numpy(global_batch(seed + step, sum(sizes), tail, offset=drift * step))
-        r_all = torch.from_numpy(global_batch(100 + seed + step, sum(sizes), tail))
+    for step, (x_all, r_all, _) in enumerate(training_batches(sum(sizes), tail, steps, seed, drift=drift)):
+        x_all, r_all = torch.from_numpy(x_all), torch.from_numpy(r_all)
         if channels_last:
             x_all = x_all.to(memory_format=torch.channels_last)
         got, y = trained(sync, x_all[mine], r_all[mine], slice(None), f"grad.{step}", ps)
@@ -119,7 +120,7 @@ def run_steps(sync, plain, tail, pattern, steps=3, seed=0, channels_last=False, 
         want64, _ = trained(plain64, x_all.double(), r_all, mine, "")
         assert_as_accurate(got, want32, want64, f"step {step}, rank {rank} of {sizes}", alone=alone)
     # Eval after training: running statistics (or batch ones), no communication needed.
-    x_all = torch.from_numpy(global_batch(seed + 50, sum(sizes), tail))
+    x_all = torch.from_numpy(eval_batch(sum(sizes), tail, seed))
     with torch.no_grad():
         outs = [{"eval output": layer.eval()(x)[rows]}
                 for layer, x, rows in ((sync, x_all[mine], slice(None)), (plain, x_all, mine),
@@ -300,55 +301,6 @@ def test_exactly_one_allreduce_per_direction_per_layer(rank_tmp):
         f"hvd_syncbn.count.{layer}.{d}" for layer in "ab" for d in ("fwd", "bwd")
     )
     assert ours == expected, f"collectives in the timeline: {ours}, expected {expected}"
-
-
-@pytest.mark.parametrize(
-    "x, match",
-    [
-        (torch.ones(4, 3, 2, 2), r"expected 4 channels on axis 1, got 3"),
-        (torch.ones(4), r"expected an input with at least 2 dims .* got 1D input"),
-        (torch.ones(4, 4, dtype=torch.int64), r"expected a floating-point input .* got torch.int64"),
-        (torch.ones(4, 4, dtype=torch.complex64), r"expected a floating-point input"),
-    ],
-    ids=["channels", "ndim", "int", "complex"],
-)
-def test_bad_input_names_layer(x, match):
-    bn = SyncBatchNorm(4, name="stem.bn")
-    with pytest.raises(ValueError, match=r"stem\.bn: " + match):
-        bn(x)
-    assert bn.num_batches_tracked.item() == 0 and bn.running_mean.abs().sum() == 0
-
-
-@pytest.mark.parametrize(
-    "kwargs, match",
-    [(dict(num_features=0), "num_features"), (dict(num_features=4, eps=0.0), "eps > 0"),
-     (dict(num_features=4, momentum=1.5), r"momentum in \[0, 1\]"),
-     (dict(num_features=4, comm="nccl"), r"comm: expected one of auto, horovod, mpi, torch, got 'nccl'")],
-)
-def test_bad_arguments(kwargs, match):
-    with pytest.raises(ValueError, match=match):
-        SyncBatchNorm(**kwargs)
-
-
-def test_state_dict_loads_both_ways_and_revert_keeps_state():
-    plain = nn.BatchNorm2d(6, momentum=0.2)
-    plain(torch.randn(8, 6, 3, 3))
-    sync = SyncBatchNorm(6, momentum=0.2)
-    sync.load_state_dict(plain.state_dict())
-    assert list(sync.state_dict()) == list(plain.state_dict())
-    model = nn.Sequential(nn.Conv2d(3, 6, 1), plain, nn.Sequential(nn.BatchNorm1d(6)))
-    model[1].weight.requires_grad_(False)
-    model.eval()
-    ref = {k: v.clone() for k, v in model.state_dict().items()}
-    convert_sync_batchnorm(model)
-    assert isinstance(model[1], SyncBatchNorm) and isinstance(model[2][0], SyncBatchNorm)
-    assert model[1].layer_name == "1" and model[2][0].layer_name == "2.0"
-    assert not model[1].training and not model[1].weight.requires_grad
-    revert_sync_batchnorm(model)
-    assert type(model[1]) is nn.BatchNorm2d and type(model[2][0]) is nn.BatchNorm1d
-    for k, v in model.state_dict().items():
-        assert torch.equal(v, ref[k]), k
-    assert not model[1].training and not model[1].weight.requires_grad
 
 
 def _state(layer):

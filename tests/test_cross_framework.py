@@ -7,7 +7,9 @@ import numpy as np
 import pytest
 
 from oracle import UNEQUAL, assert_close, global_batch, shard_sizes
-from test_launch import BIN, ROOT, TIMEOUT_S, clean_env
+from launching import BIN, ROOT, TIMEOUT_S, clean_env
+
+pytestmark = pytest.mark.ranks
 
 
 @pytest.mark.parametrize("np_", [2])

@@ -17,13 +17,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from test_launch import clean_env
+from launching import clean_env
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 DEMO = ROOT / "examples" / "torch_segmentation.py"
 KERAS_DEMO = ROOT / "examples" / "keras_segmentation.py"
 TIMEOUT_S = 300
+
+pytestmark = [pytest.mark.ranks, pytest.mark.slow]  # each test trains a demo at 2 ranks, some twice
 TINY = ["--train-size", "16", "--val-size", "8", "--image-size", "16", "--width", "4"]
 SAME = "BN running statistics identical on all 2 ranks: yes"
 KERAS_SAME = "BN moving statistics identical on all 2 ranks: yes"

@@ -21,7 +21,9 @@ import pytest
 import torch
 
 from test_demo import DEMO, epochs
-from test_launch import BIN, ROOT, clean_env, launch_command
+from launching import BIN, ROOT, clean_env, launch_command
+
+pytestmark = pytest.mark.failures
 
 T = 5.0
 EXTRA = ["layer 'head.extra' forward, step 0", "layer 'body.bn1' forward, step 2"]
@@ -142,6 +144,7 @@ def deterministic_env() -> dict:
     return {**clean_env(), "HOROVOD_FUSION_THRESHOLD": "0"}
 
 
+@pytest.mark.slow
 def test_demo_killed_mid_training_resumes_like_uninterrupted(tmp_path):
     whole = subprocess.run(
         launch_command("horovodrun-gloo", 3) + [sys.executable, str(DEMO), *DEMO_ARGS,

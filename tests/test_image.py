@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from test_launch import clean_env
+from launching import clean_env
 
 ROOT = Path(__file__).resolve().parents[1]
 TAG = "hvd-syncbn:cpu"
@@ -23,9 +23,9 @@ RUN_TIMEOUT_S = 600
 TINY = ["--epochs", "1", "--train-size", "16", "--val-size", "8", "--image-size", "16", "--width", "4",
         "--checkpoint-dir", "/tmp/checkpoints"]
 
-pytestmark = pytest.mark.skipif(
+pytestmark = [pytest.mark.image, pytest.mark.slow, pytest.mark.skipif(
     os.geteuid() != 0, reason="launch/image.sh builds as root (debootstrap, buildah --isolation chroot); "
-                              "run the tests as root, as CI does, to build and run the image")
+                              "run the tests as root, as CI does, to build and run the image")]
 
 
 def sh(*cmd, timeout: float = RUN_TIMEOUT_S) -> subprocess.CompletedProcess:

@@ -1,119 +1,76 @@
 """Runs the rank-side suites (``tests/ranks_*.py``) at 1 rank, and at 2 and 3 ranks under
-horovodrun (Gloo) and mpirun (MPI).
+horovodrun (Gloo) and mpirun (MPI), over every transport.
 
-Each rank runs the same pytest file, which computes its expectations from the world
-size (mpi4py style); a run passes only if every rank reports all of
-its tests passed, none skipped. Ranks stop at their first failure (``-x``), so the
-launcher ends the job instead of the others waiting in a collective.
+Each rank runs the same pytest files, which compute their expectations from the world
+size (mpi4py style); a launch passes only if every rank reports all of its tests passed,
+none skipped (:func:`launching.run_suite`). Files of one framework that can share a
+process share one launch: its start-up (launcher, imports, ``hvd.init()``) is paid once.
 """
 
 from __future__ import annotations
 
-import os
-import re
-import shutil
-import socket
 import subprocess
 import sys
-import tempfile
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-BIN = Path(sys.executable).parent
-SUITES = ["tests/ranks_torch.py", "tests/ranks_tf.py", "tests/ranks_props.py", "tests/ranks_models.py"]
-TIMEOUT_S = 600
-# A rank whose assertion fails skips collectives its peers wait in: let Horovod's stall
-# inspector shut the job down quickly instead of hanging until TIMEOUT_S.
-STALL = dict(HOROVOD_STALL_CHECK_TIME_SECONDS="5", HOROVOD_STALL_SHUTDOWN_TIME_SECONDS="30")
+from launching import ROOT, TIMEOUT_S, clean_env, launch_command, run_suite
+
+pytestmark = pytest.mark.ranks
+
+TORCH = ["tests/ranks_torch.py", "tests/ranks_props.py"]
+MODELS = "tests/ranks_models.py"
+TF = "tests/ranks_tf.py"
+KERAS_BN = "tests/ranks_keras_bn.py"
+COMPILE = "tests/ranks_compile.py"
+# ranks_torch.py and ranks_models.py make process sets, which Horovod allows only when
+# asked for before hvd.init(), whichever file of the launch calls it first.
+SETS = dict(HOROVOD_DYNAMIC_PROCESS_SETS="1")
+
+# (files, launcher, ranks, HVD_SYNCBN_COMM, environment). What the 28 launches before
+# ran, in 17: every file still runs at every launcher, world size and transport it ran at.
+# The layers' transport is automatic (""): Horovod under horovodrun, MPI under mpirun.
+LAUNCHES = [
+    # The PyTorch suites, at 1 rank plainly, 2 and 3 under horovodrun (Gloo) and mpirun.
+    # The real models (slow) alone and under mpirun only: they test the layer, not the
+    # transport (Horovod's Gloo at 2 and 3 ranks is covered by the other files).
+    (TORCH + [MODELS], "plain", 1, "", SETS),
+    (TORCH, "horovodrun-gloo", 2, "", SETS),
+    (TORCH + [MODELS], "mpirun", 2, "", SETS),
+    (TORCH, "horovodrun-gloo", 3, "", SETS),
+    (TORCH + [MODELS], "mpirun", 3, "", SETS),
+    # The Keras suite likewise; Keras's own BN tests with our layer swapped in join it at
+    # 2 ranks on both default transports, where they ran alone before.
+    ([TF], "plain", 1, "", {}),
+    ([TF, KERAS_BN], "horovodrun-gloo", 2, "", {}),
+    ([TF, KERAS_BN], "mpirun", 2, "", {}),
+    ([TF], "horovodrun-gloo", 3, "", {}),
+    ([TF], "mpirun", 3, "", {}),
+    # The other transports: Horovod's MPI controller under mpirun, torch.distributed (Gloo).
+    (TORCH, "mpirun", 2, "horovod", SETS),
+    ([TF], "mpirun", 2, "horovod", {}),
+    (["tests/ranks_torch.py"], "horovodrun-gloo", 2, "torch", SETS),
+    # The device path, eager and compiled: functional collectives on a private group
+    # bootstrapped over MPI, then on the user's Gloo group (one launch each at 2 and 3
+    # ranks); the custom op over MPI/Horovod (and a private group over each, as CUDA
+    # statistics would take). ranks_compile.py reads its transport at import: one each.
+    ([COMPILE], "mpirun", 2, "torch", {}),
+    ([COMPILE], "mpirun", 3, "torch", {}),
+    ([COMPILE], "mpirun", 2, "mpi", {}),
+    ([COMPILE], "mpirun", 3, "horovod", {}),
+]
 
 
-def clean_env() -> dict:
-    """This process's environment without the MPI/Horovod state an in-process
-    ``hvd.init()`` may have left, which would confuse a nested launcher."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "PMIX_", "HOROVOD_"))}
-    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PATH=f"{BIN}{os.pathsep}{env.get('PATH', '')}", **STALL)
-    return env
+def launch_id(files, launcher, np_, comm, env) -> str:
+    names = "+".join(f.split("/")[-1][len("ranks_"):-3] for f in files)
+    return f"{launcher}-{np_}-{comm or 'auto'}-{names}"
 
 
-def launch_command(launcher: str, np_: int) -> list:
-    if launcher == "plain":
-        return []
-    if launcher == "horovodrun-gloo":
-        return [str(BIN / "horovodrun"), "--gloo", "-np", str(np_), "-H", f"localhost:{np_}"]
-    mpirun = shutil.which("mpirun")
-    assert mpirun, "mpirun not found: run launch/install.sh"
-    root = ["--allow-run-as-root"] if os.geteuid() == 0 else []
-    return [mpirun, *root, "--oversubscribe", "-np", str(np_), "-bind-to", "none", "-map-by", "slot",
-            *(arg for name in ["PATH", "OMP_NUM_THREADS", "PYTHONUNBUFFERED", *STALL] for arg in ("-x", name))]
-
-
-SUMMARY = r"^(?:\[[\d,]+\]<stdout>:)?(=* ?\d+ (?:passed|failed).*)$"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def run_suite(launcher: str, np_: int, suite: str, comm: str = "") -> str:
-    """Run ``suite`` at ``np_`` ranks; ``comm`` sets HVD_SYNCBN_COMM (default: auto)."""
-    env = clean_env()
-    if comm:
-        env.update(HVD_SYNCBN_COMM=comm, HVD_SYNCBN_TEST_INIT=f"tcp://127.0.0.1:{free_port()}")
-    with tempfile.TemporaryDirectory() as outputs:
-        # mpirun forwards output in chunks, so one rank's summary can land mid-line between
-        # another's progress dots: under mpirun each rank writes a file of its own.
-        files = ["--output-filename", outputs] if launcher == "mpirun" else []
-        passed = [a for k in ("HVD_SYNCBN_COMM", "HVD_SYNCBN_TEST_INIT") if comm and launcher == "mpirun"
-                  for a in ("-x", k)]
-        cmd = launch_command(launcher, np_) + files + passed + [
-            sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "--color=no", suite,
-        ]
-        out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
-        logs = [f.read_text() for f in sorted(Path(outputs).glob("*/rank.*/stdout"))] if files else []
-    log = "\n".join([out.stdout, out.stderr])
-    summaries = re.findall(SUMMARY, "\n".join(logs) if files else log, re.M)  # mpirun also echoes
-    assert out.returncode == 0, f"{' '.join(cmd)} exited {out.returncode}:\n{log[-6000:]}"
-    assert len(summaries) == np_, f"expected {np_} rank summaries, got {summaries}:\n{log[-3000:]}"
-    for line in summaries:
-        assert re.search(r"\d+ passed", line) and not re.search(r"failed|error|skipped", line), line
-    return log
-
-
-# The layers' transport is automatic: Horovod under horovodrun, MPI (mpi4py) under mpirun.
-RUNS = [("plain", 1), ("horovodrun-gloo", 2), ("mpirun", 2), ("horovodrun-gloo", 3), ("mpirun", 3)]
-# The other transports: Horovod's MPI controller under mpirun, torch.distributed (Gloo).
-OTHER_PATHS = [("tests/ranks_torch.py", "mpirun", 2, "horovod"), ("tests/ranks_tf.py", "mpirun", 2, "horovod"),
-               ("tests/ranks_torch.py", "horovodrun-gloo", 2, "torch"),
-               ("tests/ranks_props.py", "mpirun", 2, "horovod"),
-               # Keras's own BN tests with our layer swapped in, at 2 ranks on both default transports.
-               ("tests/ranks_keras_bn.py", "mpirun", 2, ""), ("tests/ranks_keras_bn.py", "horovodrun-gloo", 2, ""),
-               # The device path, eager and compiled: functional collectives on a private group bootstrapped
-               # over MPI, then on the user's Gloo group (one launch each at 2 and 3 ranks); the custom op
-               # over MPI/Horovod (and a private group over each, as CUDA statistics would take).
-               ("tests/ranks_compile.py", "mpirun", 2, "torch"), ("tests/ranks_compile.py", "mpirun", 3, "torch"),
-               ("tests/ranks_compile.py", "mpirun", 2, "mpi"), ("tests/ranks_compile.py", "mpirun", 3, "horovod")]
-
-
-# Every suite at every run, but the real models run alone and under mpirun only: each run
-# takes minutes, and they test the layer, not the transport (Horovod's Gloo at 2 and 3
-# ranks is covered by the other suites).
-SUITE_RUNS = [(s, l, n) for l, n in RUNS for s in SUITES
-              if not (s == "tests/ranks_models.py" and l == "horovodrun-gloo")]
-
-
-@pytest.mark.parametrize("suite, launcher, np_", SUITE_RUNS, ids=[f"{l}-{n}-{s}" for s, l, n in SUITE_RUNS])
-def test_suite(launcher, np_, suite):
-    run_suite(launcher, np_, suite)
-
-
-@pytest.mark.parametrize("suite, launcher, np_, comm", OTHER_PATHS,
-                         ids=[f"{s.split('/')[-1][:-3]}-{l}-{n}-{c or 'auto'}" for s, l, n, c in OTHER_PATHS])
-def test_suite_over_other_transports(suite, launcher, np_, comm):
-    run_suite(launcher, np_, suite, comm)  # each suite asserts that its layers use ``comm`` (if set)
+@pytest.mark.parametrize("files, launcher, np_, comm, env", [
+    pytest.param(*launch, marks=[pytest.mark.slow] if MODELS in launch[0] else [], id=launch_id(*launch))
+    for launch in LAUNCHES])
+def test_suites(files, launcher, np_, comm, env):
+    run_suite(launcher, np_, files, comm, **env)  # each suite asserts that its layers use ``comm`` (if set)
 
 
 NO_HOROVOD = """

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from hvd_syncbn import launchers
-from test_launch import BIN, clean_env, launch_command
+from launching import BIN, clean_env, launch_command
 
 ROOT = Path(__file__).resolve().parents[1]
 RECORDED = json.loads((Path(__file__).parent / "launcher_envs.json").read_text())
@@ -69,6 +69,7 @@ with open(os.path.join(sys.argv[1], str(os.getpid())), "w") as f:  # a file each
 """
 
 
+@pytest.mark.ranks
 @pytest.mark.parametrize("cmd, expected", [
     (launch_command("mpirun", 2) + [sys.executable], ["mpirun (Open MPI) 2"] * 2),
     (launch_command("horovodrun-gloo", 2) + [sys.executable], ["horovodrun --gloo 2"] * 2),

@@ -23,11 +23,13 @@ from pathlib import Path
 
 import pytest
 
-from test_launch import TIMEOUT_S, clean_env
+from launching import TIMEOUT_S, clean_env
 
 ROOT = Path(__file__).resolve().parents[1]
 NETNS = ROOT / "launch" / "netns_hosts.sh"
 HOSTS, SLOTS = 2, 2
+
+pytestmark = [pytest.mark.multihost, pytest.mark.slow]
 # Names and subnet of our own, apart from the script's defaults (hvdnh, 10.201.0).
 PREFIX, SUBNET = "hvdmh", "10.201.7"
 

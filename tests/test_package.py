@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from test_launch import clean_env, launch_command
+from launching import clean_env, launch_command
 
 ROOT = Path(__file__).resolve().parents[1]
 

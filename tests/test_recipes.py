@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from test_launch import clean_env
+from launching import clean_env
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -209,6 +209,7 @@ PROBE = ("import os, horovod.torch as hvd; hvd.init(); "  # one write, so --tag-
          "print(f'probe {hvd.rank()} {hvd.size()} {os.environ.get(\"HOROVOD_CYCLE_TIME\")}', flush=True)")
 
 
+@pytest.mark.ranks
 @pytest.mark.parametrize("wrapper, args", [("mpirun.sh", ["-np", "2"]), ("horovodrun.sh", ["-np", "2", "--gloo"]),
                                            ("horovodrun.sh", ["-np", "2", "--mpi"])],
                          ids=["mpirun", "horovodrun-gloo", "horovodrun-mpi"])

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from test_launch import clean_env
+from launching import clean_env
 
 pytestmark = [pytest.mark.multihost, pytest.mark.slow]
 

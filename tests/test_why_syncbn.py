@@ -10,13 +10,16 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 
-from test_launch import clean_env, launch_command
+from launching import clean_env, launch_command
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "examples" / "why_syncbn.py"
 TINY = ["--seeds", "1", "--epochs", "1", "--train-size", "16", "--val-size", "8", "--image-size", "16",
         "--width", "4"]
+
+pytestmark = pytest.mark.ranks
 
 
 def test_tiny_experiment(tmp_path):

@@ -4,7 +4,7 @@ propagation under ``FakeTensorMode``, the deferred checks and their host point.
 A fake ``torch.distributed`` group of 2 ranks (``torch.testing``'s ``FakeStore``) gives
 the layers a world without peers: its all_reduce leaves each buffer as it is, so values
 are one rank's, which is what these tests need (the sums are tested across real ranks by
-``ranks_compile.py`` and in thread worlds by ``test_backend.py``).
+``ranks_compile.py`` and in thread worlds by ``test_thread_worlds.py``).
 """
 
 from __future__ import annotations

@@ -1,0 +1,187 @@
+"""The Keras layer in one process: which kernels its graph runs, the converter, its
+argument and input checks (the same bad input on every rank of a thread world at 1, 2
+and 3 ranks), XLA refused, and a saved ``.keras`` file loading in a plain process. None
+of it depends on the world size, so it runs once, here, instead of in every launch of
+the rank-side suites."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from conftest import collective_timeout, results, run, tensorflow, world
+
+tf = tensorflow()
+import keras  # noqa: E402
+
+from hvd_syncbn.tensorflow import DistributedOptimizer, SyncBatchNormalization, convert_sync_batchnorm  # noqa: E402
+from keras_models import small_model  # noqa: E402
+from oracle import UNEQUAL, assert_close, global_batch  # noqa: E402
+
+hvd = pytest.importorskip("horovod.tensorflow")
+
+
+@pytest.mark.parametrize("tail, axis, fused", [((5, 5, 4), -1, True), ((4, 6), 1, True), ((3, 2, 3, 4), 1, True),
+                                                ((6,), -1, True), ((3, 5, 4), [1, 3], False), ((3, 4, 5), 2, False)])
+def test_common_layouts_run_the_fused_kernels(tail, axis, fused):
+    """Channels right after the batch or last, any rank: forward and backward run
+    ``FusedBatchNormV3``/``FusedBatchNormGradV3`` (the equivalence tests above check
+    their results); other layouts, the composite ops."""
+    layer = SyncBatchNormalization(axis=axis)
+    layer.build((None, *tail))
+
+    @tf.function
+    def step(x):
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            y = layer(x, training=True)
+        return tape.gradient(y, [x] + layer.trainable_variables)
+
+    graph = step.get_concrete_function(tf.TensorSpec((None, *tail))).graph.as_graph_def()
+    kinds = {n.op for n in graph.node} | {n.op for f in graph.library.function for n in f.node_def}
+    want = {"FusedBatchNormV3", "FusedBatchNormGradV3"}
+    assert kinds & want == (want if fused else set()), sorted(kinds)
+
+
+def test_converter_replaces_nested_bn_and_keeps_weights():
+    keras.utils.set_random_seed(0)
+    model = small_model()
+    x = global_batch(9, 4, (8, 8, 3))
+    model(x, training=True)  # move the moving statistics off their initial values
+    converted = convert_sync_batchnorm(model)
+    kinds = {l.name: type(l) for l in converted.layers}
+    assert kinds["stem_bn"] is SyncBatchNormalization
+    assert type(converted.get_layer("block").get_layer("block_bn")) is SyncBatchNormalization
+    assert type(model.get_layer("stem_bn")) is keras.layers.BatchNormalization  # original untouched
+    for a, b in zip(converted.weights, model.weights):
+        assert a.name == b.name
+        assert_close(a, b, f"weight {a.path}")
+    assert_close(converted(x, training=False), model(x, training=False), "inference output")
+
+
+def renorm_model(bn=keras.layers.BatchNormalization):
+    inputs = keras.Input((6,))
+    x = keras.layers.Dense(4, name="dense")(inputs)
+    x = bn(renorm=True, renorm_clipping={"rmax": 2.0, "dmax": 1.0}, renorm_momentum=0.7, name="rn")(x)
+    return keras.Model(inputs, x)
+
+
+def test_converter_carries_renorm_config_and_weights():
+    keras.utils.set_random_seed(0)
+    model = renorm_model()
+    for seed in (3, 4):  # move every statistic off its initial value
+        model(global_batch(seed, 8, (6,), offset=seed), training=True)
+    converted = convert_sync_batchnorm(model)
+    layer = converted.get_layer("rn")
+    assert type(layer) is SyncBatchNormalization
+    assert (layer.renorm, layer.renorm_clipping, layer.renorm_momentum) == (True, {"rmax": 2.0, "dmax": 1.0}, 0.7)
+    assert [w.name for w in converted.weights] == [w.name for w in model.weights]
+    for a, b in zip(converted.weights, model.weights):
+        assert_close(a, b, f"weight {a.path}")
+    x = global_batch(5, 8, (6,), offset=1.0)  # the same rows on every rank: global = local statistics
+    assert_close(converted(x, training=True), model(x, training=True), "renorm training output", rtol=1e-5)
+    for a, b in zip(converted.weights, model.weights):
+        assert_close(a, b, f"{a.path} after a renorm step", rtol=1e-5)
+
+
+def test_converter_refuses_unknown_bn_subclasses_unless_mapped():
+    class TwiceBN(keras.layers.BatchNormalization):
+        def call(self, inputs, training=None, mask=None):
+            return 2 * super().call(inputs, training=training, mask=mask)
+
+    class SyncTwiceBN(SyncBatchNormalization):
+        def call(self, inputs, training=None, mask=None):
+            return 2 * super().call(inputs, training=training, mask=mask)
+
+    with pytest.raises(ValueError, match=r"layer 'rn' is a .*TwiceBN, a subclass of BatchNormalization this "
+                                         r"converter does not know.*classes="):
+        convert_sync_batchnorm(renorm_model(TwiceBN))
+    converted = convert_sync_batchnorm(renorm_model(TwiceBN), classes={TwiceBN: SyncTwiceBN})
+    assert type(converted.get_layer("rn")) is SyncTwiceBN
+    with pytest.raises(TypeError, match="expected classes to map BatchNormalization subclasses"):
+        convert_sync_batchnorm(renorm_model(), classes={TwiceBN: keras.layers.BatchNormalization})
+
+
+def test_converter_rejects_what_it_cannot_convert():
+    with pytest.raises(ValueError, match="expected a Sequential or functional keras.Model, got Dense"):
+        convert_sync_batchnorm(keras.layers.Dense(3))
+
+
+@pytest.mark.parametrize(
+    "x, match",
+    [(np.ones((4, 3), np.int32), r"bn_bad: expected a floating-point input .* got int32; cast it first, "
+                                 r"e\.g\. tf\.cast\(x, tf\.float32\)"),
+     (np.ones((4, 3), np.complex64), r"bn_bad: expected a floating-point input .* got complex64"),
+     (np.ones((4,), np.float32), r"bn_bad: expected an input with at least 2 dims")],
+    ids=["int", "complex", "ndim"],
+)
+@pytest.mark.parametrize("size", [1, 2, 3])
+def test_bad_input_names_layer(x, match, size):
+    """The same bad input on every rank of a thread world (alone at 1: no collective;
+    across ranks every rank's error goes through the poisoned collective)."""
+    comms = world(size)
+    layers = [SyncBatchNormalization(name="bn_bad", comm=c) for c in comms]
+
+    def rank(r, comm):
+        with pytest.raises(ValueError, match=match):
+            layers[r](x, training=True)
+
+    with collective_timeout(5.0):
+        results(run(size, rank, comms))
+
+
+@pytest.mark.parametrize("kwargs, match", [(dict(momentum=1.5), r"momentum in \[0, 1\]"),
+                                           (dict(epsilon=0.0), "epsilon > 0"),
+                                           (dict(renorm=True, renorm_clipping={"rmax": 1.0, "rmin": 2.0}),
+                                            "rmax should"),
+                                           (dict(comm="nccl"), "comm: expected one of auto, horovod, mpi")])
+def test_bad_arguments(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        SyncBatchNormalization(**kwargs)
+
+
+def test_layer_under_xla_says_to_turn_it_off():
+    """An explicit jit_compile=True: Keras's compile falls back with its own warning; a
+    tf.function(jit_compile=True) of the user's own raises ours, naming the layer."""
+    model = small_model(SyncBatchNormalization)
+    with pytest.warns(UserWarning, match="Model doesn't support `jit_compile=True`"):
+        model.compile(optimizer="sgd", loss="mse", jit_compile=True)
+    assert model.jit_compile is False
+    step = tf.function(lambda x: model(x, training=True), jit_compile=True)
+    with pytest.raises(ValueError, match=r"SyncBatchNormalization 'stem_bn' cannot run inside XLA yet"):
+        step(global_batch(42, 2, (8, 8, 3)))
+
+
+def test_distributed_optimizer_saves_as_plain_class_and_rejects_bad_op():
+    opt = DistributedOptimizer(keras.optimizers.Adam(1e-3))
+    assert isinstance(opt, keras.optimizers.Adam) and type(opt).__name__ == "Adam"
+    assert keras.optimizers.serialize(opt)["class_name"] == "Adam"
+    with pytest.raises(ValueError, match="expected op hvd.Average or hvd.Sum"):
+        DistributedOptimizer(keras.optimizers.SGD(), op=hvd.Adasum)
+
+
+def test_keras_file_saved_here_loads_in_a_plain_process(rank_tmp):
+    keras.utils.set_random_seed(0)
+    model = small_model(SyncBatchNormalization)
+    x_all = global_batch(11, sum(UNEQUAL), (8, 8, 3))
+    model(x_all, training=True)  # moving statistics off their initial values
+    model.compile(optimizer=DistributedOptimizer(keras.optimizers.Adam()), loss="mse")  # saved with it
+    path = rank_tmp / "model.keras"
+    model.save(path)
+    want = model.predict(x_all, verbose=0)
+    code = (
+        "import sys, numpy as np, keras, hvd_syncbn.tensorflow\n"
+        "m = keras.models.load_model(sys.argv[1])\n"
+        "assert type(m.optimizer) is keras.optimizers.Adam, type(m.optimizer)\n"
+        "np.save(sys.argv[2], m.predict(np.load(sys.argv[3]), verbose=0))\n"
+    )
+    np.save(path.with_suffix(".x.npy"), x_all)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "PMIX_", "HOROVOD_"))}
+    out = subprocess.run([sys.executable, "-c", code, str(path), str(path.with_suffix(".y.npy")),
+                          str(path.with_suffix(".x.npy"))], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert_close(np.load(path.with_suffix(".y.npy")), want, "predictions after load in a plain process")
