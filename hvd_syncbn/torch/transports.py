@@ -178,8 +178,10 @@ def resolve(kind: Any, process_set: Any, layer: str, nccl: bool = False) -> Opti
 
     Called on every forward: the answer is remembered for the state it depends on.
     """
+    if isinstance(kind, Communicator):  # the user's, as it is (never remembered by id: ids are reused)
+        return kind if kind.size > 1 else None
     hvd_on = _horovod_on()
-    state = (id(kind) if isinstance(kind, Communicator) else kind, os.environ.get(COMM_ENV), hvd_on,
+    state = (kind, os.environ.get(COMM_ENV), hvd_on,
              dist.is_available() and dist.is_initialized(), _set_key(process_set), nccl,
              os.environ.get(private_group.ENV))
     if state not in _resolved:

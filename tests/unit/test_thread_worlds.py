@@ -68,9 +68,7 @@ TORCH_WORLD_CASES = {
 
 
 @pytest.mark.parametrize("stats", ["host", "device"])
-# Not at 1 rank: a world of 1 before the others made a later world of 2 or 3 time out in
-# 1 run of 3 (not understood yet); ranks_torch.py checks the layer alone, launched plainly.
-@pytest.mark.parametrize("size", [2, 3])
+@pytest.mark.parametrize("size", [1, 2, 3])
 @pytest.mark.parametrize("case", TORCH_WORLD_CASES)
 def test_torch_layer_in_a_thread_world_matches_plain_bn(case, size, stats):
     """``STEPS`` training steps, then eval: outputs, input grads, weight/bias grads summed

@@ -146,3 +146,15 @@ def test_importing_the_adapter_imports_neither_timm_nor_torchvision():
     env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "PMIX_", "HOROVOD_"))}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0 and out.stdout.strip() == "[]", out.stdout + out.stderr[-2000:]
+
+
+def test_a_users_communicator_is_used_as_it_is_even_where_a_freed_ones_id_recurs():
+    """``comm=`` a Communicator: each layer uses that object. (Once remembered by ``id()``:
+    a world of one, resolved to "alone" and freed, left its ``id`` to a later world's
+    communicator, whose layer then ran alone, silently, while its peers waited.)"""
+    from hvd_syncbn.torch.transports import resolve
+
+    for _ in range(200):
+        assert resolve(world(1)[0], None, "bn") is None  # a world of one: alone, plain BN
+        mine = world(2)[0]
+        assert resolve(mine, None, "bn") is mine
