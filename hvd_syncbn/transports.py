@@ -128,17 +128,23 @@ class Registry:
         """Add ``transport`` (after those registered before it, for ``auto``)."""
         self.transports[transport.name] = transport
 
+    def requested(self, kind: Any, layer: str) -> Any:
+        """:func:`requested_kind`, refusing a transport this framework does not have."""
+        want = requested_kind(kind)
+        if isinstance(want, str) and want != "auto" and want not in self.transports:
+            names = ", ".join(repr(n) for n in ("auto", *self.transports))
+            source = "comm" if kind is not None else f"${COMM_ENV}"
+            raise ValueError(f"{layer}: {source}={want!r} is not a {self.framework} transport; "
+                             f"with {self.framework} use {names}")
+        return want
+
     def choose(self, kind: Any, request: Request) -> Tuple[Any, str]:
         """``(transport, why)`` for a layer's ``comm``: a :class:`Communicator` as it is, a
         named transport, or under ``auto`` the first that works here (``None`` if none)."""
-        want = requested_kind(kind)
+        want = self.requested(kind, request.layer)
         if isinstance(want, Communicator):
             return want, "requested"
         if want != "auto":
-            if want not in self.transports:
-                names = ", ".join(repr(n) for n in ("auto", *self.transports))
-                raise ValueError(f"{request.layer}: comm={want!r} is not a {self.framework} transport; "
-                                 f"with {self.framework} use {names}")
             return self.transports[want], "requested"
         passed = []
         for transport in self.transports.values():

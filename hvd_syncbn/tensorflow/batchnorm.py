@@ -11,7 +11,6 @@ import tensorflow as tf
 
 from hvd_syncbn import backend
 from hvd_syncbn.comm import Communicator, make_call, poison
-from hvd_syncbn.transports import requested_kind
 from hvd_syncbn.tensorflow import transports
 from hvd_syncbn.tensorflow.functional import _ops, _per_channel, _scale_shift, _split_axes, _sync_normalize
 
@@ -46,13 +45,18 @@ class SyncBatchNormalization(keras.layers.BatchNormalization):
             in ``keras.layers.BatchNormalization``: the correction ``(r, d)`` comes from
             the global batch statistics, and ``moving_stddev``, ``renorm_mean`` and
             ``renorm_stddev`` update alike on every rank. Default: ``False``.
-        synchronized: accepted for config compatibility; this layer always synchronises.
+        synchronized: accepted for config compatibility (Keras's own argument); this
+            layer always synchronises, and its config says ``True``.
+        fused: accepted for the signature of Horovod's and Keras 2's layer, and ignored:
+            the layer picks TF's fused kernels itself (float32 input with the channels
+            right after the batch or last), composite ops otherwise.
         process_set: Horovod process set (or its ranks) to synchronise within.
             Default: all ranks.
         comm: how statistics travel: ``"horovod"``, ``"mpi"`` (mpi4py, under mpirun) or
             ``"auto"`` (MPI under mpirun with mpi4py, else Horovod). Default:
-            ``$HVD_SYNCBN_COMM``, else ``"auto"``. When ranks disagree, every rank
-            raises :class:`~hvd_syncbn.comm.SyncBatchNormError` within the timeout.
+            ``$HVD_SYNCBN_COMM``, else ``"auto"``; ``"torch"`` (PyTorch's) is refused
+            here. When ranks disagree, every rank raises
+            :class:`~hvd_syncbn.comm.SyncBatchNormError` within the timeout.
         check_finite: raise (before any update) when the global statistics are not
             finite, i.e. NaN/Inf in some rank's input. Default: ``False``: NaN/Inf
             propagate as in ``keras.layers.BatchNormalization``.
@@ -70,8 +74,8 @@ class SyncBatchNormalization(keras.layers.BatchNormalization):
         >>> y = bn(tf.random.normal([2, 32, 32, 64]), training=True)
     """
 
-    def __init__(self, axis=-1, momentum=0.99, epsilon=1e-3, *args, synchronized=False,
-                 process_set=None, comm=None, check_finite=False, **kwargs):
+    def __init__(self, axis=-1, momentum=0.99, epsilon=1e-3, *args, synchronized=True,
+                 process_set=None, comm=None, check_finite=False, fused=None, **kwargs):
         axes = [axis] if isinstance(axis, int) else [int(a) for a in axis]
         if not axes:
             raise ValueError(f"SyncBatchNormalization: expected an axis or a non-empty list of axes, got {axis!r}")
@@ -81,7 +85,7 @@ class SyncBatchNormalization(keras.layers.BatchNormalization):
         self.process_set = process_set
         self.comm = comm
         self.check_finite = bool(check_finite)
-        requested_kind(comm)
+        transports.REGISTRY.requested(comm, "SyncBatchNormalization")
         # The statistics cross on the host, which XLA cannot compile: Keras's default
         # jit_compile="auto" (XLA where a GPU is listed) then resolves to False.
         self.supports_jit = False
@@ -202,4 +206,5 @@ class SyncBatchNormalization(keras.layers.BatchNormalization):
         config["process_set"] = ps.ranks if hasattr(ps, "ranks") else ps
         config["comm"] = None if isinstance(self.comm, Communicator) else self.comm
         config["check_finite"] = self.check_finite
+        config["synchronized"] = True  # whatever was passed: this layer always synchronizes
         return config

@@ -138,10 +138,32 @@ def test_bad_input_names_layer(x, match, size):
                                            (dict(epsilon=0.0), "epsilon > 0"),
                                            (dict(renorm=True, renorm_clipping={"rmax": 1.0, "rmin": 2.0}),
                                             "rmax should"),
-                                           (dict(comm="nccl"), "comm: expected one of auto, horovod, mpi")])
+                                           (dict(comm="nccl"), "comm: expected one of auto, horovod, mpi"),
+                                           (dict(comm="torch"), "SyncBatchNormalization: comm='torch' is not a "
+                                                                "TensorFlow transport; with TensorFlow use 'auto', "
+                                                                "'mpi', 'horovod'")])
 def test_bad_arguments(kwargs, match):
     with pytest.raises(ValueError, match=match):
         SyncBatchNormalization(**kwargs)
+
+
+def test_torch_from_the_environment_is_refused_at_construction(monkeypatch):
+    monkeypatch.setenv("HVD_SYNCBN_COMM", "torch")
+    with pytest.raises(ValueError, match=r"\$HVD_SYNCBN_COMM='torch' is not a TensorFlow transport"):
+        SyncBatchNormalization()
+
+
+@pytest.mark.parametrize("synchronized", [False, True])
+def test_config_says_it_synchronizes_and_round_trips(synchronized):
+    """Keras's own ``synchronized`` argument is accepted, and the config tells the truth
+    (this layer always synchronizes); Horovod's ``fused`` argument is accepted too."""
+    layer = SyncBatchNormalization(axis=[1, 3], momentum=0.9, synchronized=synchronized, fused=True, check_finite=True,
+                                   comm="mpi", name="bn_cfg")
+    config = layer.get_config()
+    assert config["synchronized"] is True and config["comm"] == "mpi" and config["check_finite"] is True
+    again = SyncBatchNormalization.from_config(config)
+    assert again.get_config() == config and type(again) is SyncBatchNormalization
+    assert keras.layers.deserialize(keras.layers.serialize(layer)).get_config() == config
 
 
 def test_layer_under_xla_says_to_turn_it_off():
