@@ -61,8 +61,9 @@ class Module(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=LR)
 
     def train_dataloader(self):
-        rows = slice(self.global_rank * ROWS, (self.global_rank + 1) * ROWS)
-        return [(x[rows], y[rows]) for x, y in global_batches()]
+        rows = slice(self.global_rank * ROWS, (self.global_rank + 1) * ROWS)  # this rank's half of each step
+        shards = [torch.cat(t) for t in zip(*((x[rows], y[rows]) for x, y in global_batches()))]
+        return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(*shards), batch_size=ROWS)
 
 
 def main(out: Path, comm: str) -> None:

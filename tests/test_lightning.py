@@ -43,9 +43,11 @@ def assert_states_equal(got: dict, want: dict, what: str) -> None:
 
 @pytest.mark.parametrize("launch", ["ddp", "mpirun"])
 def test_fit_at_2_ranks_equals_one_process_on_the_concatenated_batch(launch, reference, tmp_path):
-    cmd = launch_command("plain" if launch == "ddp" else "mpirun", 2)
+    # This tree's hvd_syncbn, not an installed one (mpirun forwards the variable with -x).
+    cmd = launch_command("plain", 2) if launch == "ddp" else launch_command("mpirun", 2) + ["-x", "PYTHONPATH"]
     cmd += [sys.executable, str(ROOT / "tests" / "lightning_fit.py"), str(tmp_path)] + (["mpi"] if cmd else [])
-    out = subprocess.run(cmd, cwd=ROOT, env=clean_env(), capture_output=True, text=True, timeout=300)
+    out = subprocess.run(cmd, cwd=ROOT, env={**clean_env(), "PYTHONPATH": str(ROOT)}, capture_output=True,
+                         text=True, timeout=300)
     assert out.returncode == 0, (out.stdout + out.stderr)[-6000:]
     for rank in range(2):
         result = torch.load(tmp_path / f"rank{rank}.pt")
