@@ -15,6 +15,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
@@ -159,6 +160,8 @@ class Registry:
         this process is alone. Raises ``RuntimeError`` when the requested transport
         cannot work here, saying why."""
         chosen, why = self.choose(kind, request)
+        if chosen is None:
+            alone_in_a_launch(request.layer, self.framework, why)
         if chosen is None or isinstance(chosen, Communicator):
             return chosen if chosen is not None and chosen.size > 1 else None
         problem = chosen.unavailable(request)
@@ -175,6 +178,36 @@ class Registry:
                 log.warning("hvd_syncbn: statistics travel over %s (%s; ranks started by %s; set %s to change)",
                             key[0], why, launchers.launcher() or "no launcher", COMM_ENV)
         return self.built[key]
+
+
+STRICT_ENV = "HVD_SYNCBN_STRICT"
+_warned_alone = False
+
+
+def alone_in_a_launch(layer: str, framework: str, why: str) -> None:
+    """A layer found no transport: if a launcher started several processes, this one
+    would silently normalise with its own statistics only. Warn once per process, naming
+    the launch and what to do; raise ``RuntimeError`` instead under ``$HVD_SYNCBN_STRICT=1``."""
+    global _warned_alone
+    try:
+        size = launchers.world_size()
+    except ValueError:  # a malformed launcher variable says nothing reliable about a launch
+        return
+    if size is None or size < 2:
+        return
+    strict = env_flag(STRICT_ENV, False, "warn", "raise")
+    if _warned_alone and not strict:
+        return
+    todo = ("call torch.distributed.init_process_group() before training, or hvd.init() (Horovod), or under "
+            "mpirun install mpi4py" if framework == "PyTorch"
+            else "call hvd.init() (Horovod) first, or under mpirun install mpi4py")
+    message = (f"{layer}: this process is one of {size} started by {launchers.launcher()}, but {framework} "
+               f"SyncBatchNorm found no transport ({why}), so it normalises with this process's statistics "
+               f"only; {todo}")
+    if strict:
+        raise RuntimeError(f"{message} (an error because {STRICT_ENV}=1)")
+    _warned_alone = True
+    warnings.warn(f"{message}; set {STRICT_ENV}=1 to make this an error", RuntimeWarning)
 
 
 def not_a_member(layer: str, rank: int, ranks: Any) -> ValueError:

@@ -13,6 +13,9 @@ cd "$ROOT"
 # torch; tests/vision.py makes it import anyway (the models use none of those ops).
 "$ROOT/.venv/bin/python" -c 'import importlib.metadata as m; assert (m.version("timm"), m.version("torchvision")) == ("1.0.29", "0.28.0")' 2>/dev/null \
   || "$ROOT/.venv/bin/python" -m pip install -q timm==1.0.29 torchvision==0.28.0
+# The Lightning plugin's tests (tests/test_lightning.py) train under Lightning's Trainer.
+"$ROOT/.venv/bin/python" -c 'import importlib.metadata as m; assert m.version("lightning") == "2.6.6"' 2>/dev/null \
+  || "$ROOT/.venv/bin/python" -m pip install -q lightning==2.6.6
 # The docs test builds the mkdocs site with its API reference (tests/test_docs.py); the
 # package test builds the sdist and wheel (tests/test_package.py).
 "$ROOT/.venv/bin/python" -c 'import importlib.metadata as m; assert [m.version(p) for p in ("mkdocs", "mkdocstrings", "mkdocstrings-python", "build")] == ["1.6.1", "1.0.8", "2.0.11", "1.6.1"]' 2>/dev/null \

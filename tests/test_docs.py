@@ -44,7 +44,7 @@ def public_names() -> list:
     """The documented API: each public module's ``__all__``, and the Communicator users subclass."""
     griffe = need("griffe")
     package = griffe.load("hvd_syncbn", search_paths=[str(ROOT)])
-    names = [f"{mod.path}.{n}" for mod in (package, package["torch"], package["tensorflow"]) for n in mod.exports]
+    names = [f"{mod.path}.{n}" for mod in (package, package["torch"], package["tensorflow"], package["lightning"]) for n in mod.exports]
     return names + ["hvd_syncbn.comm.Communicator"]
 
 

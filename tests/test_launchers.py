@@ -84,3 +84,24 @@ def test_real_launchers(cmd, expected, tmp_path):
                          capture_output=True, text=True, timeout=120)
     named = [f.read_text() for f in found.iterdir()]
     assert out.returncode == 0 and named == expected, f"{named}\n{out.stdout}{out.stderr[-3000:]}"
+
+
+ALONE = """
+import torch
+from hvd_syncbn.torch import SyncBatchNorm
+SyncBatchNorm(4)(torch.randn(8, 4))  # training, no init_process_group: no transport
+SyncBatchNorm(4)(torch.randn(8, 4))  # a second layer: no second warning
+"""
+
+
+@pytest.mark.ranks
+def test_torchrun_without_a_process_group_warns_once_on_every_rank(tmp_path):
+    """The silent failure of torch.nn.SyncBatchNorm users know: torchrun, no
+    init_process_group, each rank normalising alone. Each rank warns, once."""
+    probe = tmp_path / "alone.py"
+    probe.write_text(ALONE)
+    out = subprocess.run([str(BIN / "torchrun"), "--nproc-per-node", "2", str(probe)], cwd=ROOT,
+                         env={**clean_env(), "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=120)
+    warned = out.stderr.count("this process is one of 2 started by torchrun")
+    assert out.returncode == 0 and warned == 2, f"{warned} warnings\n{out.stdout}{out.stderr[-3000:]}"
+    assert "init_process_group()" in out.stderr and "HVD_SYNCBN_STRICT=1" in out.stderr, out.stderr[-3000:]

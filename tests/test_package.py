@@ -23,7 +23,8 @@ from launching import clean_env, launch_command
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.parametrize("adapter, framework", [("torch", "torch"), ("tensorflow", "tensorflow")])
+@pytest.mark.parametrize("adapter, framework", [("torch", "torch"), ("tensorflow", "tensorflow"),
+                                                ("lightning", "lightning")])
 def test_adapter_without_its_framework_names_the_extra(adapter, framework):
     # None in sys.modules makes `import torch` fail as it does where torch is not installed.
     code = f"import sys; sys.modules[{framework!r}] = None; import hvd_syncbn.{adapter}"
@@ -117,7 +118,7 @@ def test_wheel_installs_into_a_fresh_venv_and_syncs_two_ranks(tmp_path):
     core = subprocess.run([py, "-c", "import hvd_syncbn, hvd_syncbn.backend, hvd_syncbn.comm; print(hvd_syncbn.__file__)"],
                           capture_output=True, text=True, cwd=tmp_path, timeout=120)
     assert core.returncode == 0 and core.stdout.startswith(str(venv)), core.stdout + core.stderr[-3000:]
-    for adapter in ("torch", "tensorflow"):
+    for adapter in ("torch", "tensorflow", "lightning"):
         bare = subprocess.run([py, "-c", f"import hvd_syncbn.{adapter}"], capture_output=True, text=True,
                               cwd=tmp_path, timeout=120)
         assert bare.returncode != 0 and f"pip install 'hvd_syncbn[{adapter}]'" in bare.stderr, bare.stderr[-3000:]

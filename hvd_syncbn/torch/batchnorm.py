@@ -12,7 +12,7 @@ from typing import Any, NamedTuple, Optional
 import numpy as np
 import torch
 import torch.nn.functional as F
-from torch import Tensor
+from torch import Tensor, nn
 from torch.autograd.function import once_differentiable
 from torch.nn.modules.batchnorm import _BatchNorm
 
@@ -101,7 +101,8 @@ class SyncBatchNorm(_BatchNorm):
         track_running_stats: keep running mean/variance (unbiased, from the global
             count) for eval mode; if ``False`` batch statistics are used always.
             Default: ``True``.
-        process_set: Horovod process set to synchronise within. Default: all ranks.
+        process_set: Horovod process set to synchronise within (or, with
+            ``comm="torch"``, a ``torch.distributed`` group). Default: all ranks.
         device: device of the parameters and buffers.
         dtype: dtype of the parameters and buffers.
         bias: learnable ``β`` when ``affine``. Default: ``True``.
@@ -121,6 +122,12 @@ class SyncBatchNorm(_BatchNorm):
             its checks are deferred to :func:`~hvd_syncbn.torch.check`) or ``"auto"``:
             the device for CUDA inputs and under ``torch.compile``, else the host.
             Default: ``$HVD_SYNCBN_STATS``, else ``"auto"``.
+        process_group: ``process_set`` under ``torch.nn.SyncBatchNorm``'s name; give
+            one of the two, not both.
+
+    Under a launcher of several processes (torchrun, mpirun, srun, horovodrun), a
+    training layer that finds no transport warns once per process that it normalises
+    with local statistics only; ``HVD_SYNCBN_STRICT=1`` makes that an error.
 
     Shape:
         - Input: ``(N, C, *)``, any memory format; ``N`` may differ per rank, even 0.
@@ -149,10 +156,26 @@ class SyncBatchNorm(_BatchNorm):
         comm: Optional[str] = None,
         check_finite: bool = False,
         stats: Optional[str] = None,
+        process_group: Any = None,
     ) -> None:
         _check_args(num_features, eps, momentum)
+        group = one_group("SyncBatchNorm", process_set, process_group)
         super().__init__(num_features, eps, momentum, affine, track_running_stats, device, dtype, bias=bias)
-        self._init_sync(process_set, name, comm, check_finite, stats)
+        self._init_sync(group, name, comm, check_finite, stats)
+
+    @classmethod
+    def convert_sync_batchnorm(cls, module: nn.Module, process_group: Any = None, **layer_args: Any) -> nn.Module:
+        """``torch.nn.SyncBatchNorm.convert_sync_batchnorm`` under its usual name: the
+        same as :func:`hvd_syncbn.torch.convert_sync_batchnorm` (which this calls, with
+        ``layer_args``: ``comm``, ``check_finite``, ``stats``, ``classes``).
+
+        Examples::
+
+            >>> model = hvd_syncbn.torch.SyncBatchNorm.convert_sync_batchnorm(model, comm="mpi")
+        """
+        from hvd_syncbn.torch.convert import convert_sync_batchnorm  # convert builds on this module
+
+        return convert_sync_batchnorm(module, process_group=process_group, **layer_args)
 
     def _init_sync(self, process_set: Any, name: Optional[str], comm: Optional[str], check_finite: bool,
                    stats: Optional[str] = None) -> None:
@@ -280,6 +303,14 @@ def _traced_comm(layer: SyncBatchNorm, nccl: bool) -> Optional[Communicator]:
 def _rows(x: Tensor) -> int:
     """Rows per channel of ``(N, C, *)`` (0 for an empty or malformed input)."""
     return x.numel() // x.shape[1] if x.dim() > 1 and x.shape[1] else 0
+
+
+def one_group(where: str, process_set: Any, process_group: Any) -> Any:
+    """The group of ranks given as ``process_set`` or under torch's name ``process_group``."""
+    if process_set is not None and process_group is not None:
+        raise ValueError(f"{where}: expected process_set or process_group (torch's name for the same argument), "
+                         f"got both; drop one of them")
+    return process_set if process_set is not None else process_group
 
 
 STATS_ENV = "HVD_SYNCBN_STATS"

@@ -15,7 +15,9 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.lazy import LazyModuleMixin
 
-from .batchnorm import SyncBatchNorm
+from hvd_syncbn.transports import requested_kind
+
+from .batchnorm import SyncBatchNorm, _stats_choice, one_group
 from .norm_act import SyncBatchNormAct2d
 
 _KNOWN = {nn.BatchNorm1d: SyncBatchNorm, nn.BatchNorm2d: SyncBatchNorm, nn.BatchNorm3d: SyncBatchNorm,
@@ -77,7 +79,9 @@ def _replace(module: nn.Module, swap: Callable[[nn.Module, str], Optional[nn.Mod
 
 
 def convert_sync_batchnorm(module: nn.Module, process_set: Any = None, *,
-                           classes: Optional[Mapping[type, type]] = None) -> nn.Module:
+                           classes: Optional[Mapping[type, type]] = None, comm: Any = None,
+                           check_finite: bool = False, stats: Optional[str] = None,
+                           process_group: Any = None) -> nn.Module:
     """Replace every BN layer in ``module`` by its synchronized form.
 
     - ``nn.BatchNorm1d/2d/3d`` and ``nn.SyncBatchNorm`` become :class:`SyncBatchNorm`
@@ -97,6 +101,10 @@ def convert_sync_batchnorm(module: nn.Module, process_set: Any = None, *,
         classes: more conversions, ``{BN subclass: SyncBatchNorm subclass}``; the new
             layer gets the old one's attributes and submodules, so its ``forward`` can
             use them as the original did. Default: none.
+        comm, check_finite, stats: as :class:`SyncBatchNorm`'s, for every new layer;
+            checked here, even when ``module`` holds no BN layer.
+        process_group: ``process_set`` under ``torch.nn.SyncBatchNorm``'s name; give
+            one of the two, not both.
 
     Returns:
         ``module`` with its BN children replaced in place, or the new layer if
@@ -107,7 +115,11 @@ def convert_sync_batchnorm(module: nn.Module, process_set: Any = None, *,
 
         >>> model = hvd_syncbn.torch.convert_sync_batchnorm(timm.create_model("efficientnet_b0"))
         >>> model = convert_sync_batchnorm(model, classes={MyBNAct: MySyncBNAct})
+        >>> model = convert_sync_batchnorm(model, process_group=group, comm="torch")
     """
+    process_set = one_group("convert_sync_batchnorm", process_set, process_group)
+    requested_kind(comm)  # a bad comm or stats fails here, not at the first synchronized step
+    _stats_choice(stats)
     classes = dict(classes or {})
     for plain, sync in classes.items():
         if not (isinstance(plain, type) and issubclass(plain, _BatchNorm)
@@ -121,7 +133,7 @@ def convert_sync_batchnorm(module: nn.Module, process_set: Any = None, *,
         cls = _sync_class(m, path, classes)
         group = process_set if process_set is not None else getattr(m, "process_group", None)
         new = _recast(m, cls)
-        new._init_sync(group, path or None, None, False)
+        new._init_sync(group, path or None, comm, check_finite, stats)
         new._plain_class = type(m)
         return new
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import time
+import warnings
 
 import numpy as np
 import pytest
@@ -286,3 +287,37 @@ def test_a_registered_transport_is_built_once_per_group_and_chosen_by_name():
     first = registry.resolve("torch", transports.Request("a", key="g"))
     assert registry.resolve("torch", transports.Request("b", key="g")) is first and built == ["g"]
     assert registry.resolve("torch", transports.Request("c", key="h")) is not first and built == ["g", "h"]
+
+
+@pytest.mark.parametrize("available", [True, False])
+def test_a_launch_of_several_processes_where_no_transport_works_warns_naming_it(monkeypatch, available):
+    """Any framework's registry (here one transport that works, or not): started by
+    mpirun as one of 3 with no transport, a layer would be silently local, so it warns
+    once, saying why each transport was passed over; with one that works, nothing."""
+    for key in [k for k in os.environ if k.startswith(("OMPI_", "PMI", "SLURM_", "HOROVOD_", "TORCHELASTIC"))]:
+        monkeypatch.delenv(key)
+    monkeypatch.setenv("OMPI_COMM_WORLD_SIZE", "3")
+    monkeypatch.delenv(transports.STRICT_ENV, raising=False)
+    monkeypatch.setattr(transports, "_warned_alone", False)
+
+    class Threads(transports.Transport):
+        name = "horovod"
+
+        def auto_unavailable(self, request):
+            return None if available else "the test says no"
+
+        def build(self, request, registry):
+            return world(3)[0]
+
+    registry = transports.Registry("Test", Threads())
+    if available:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            assert registry.resolve("auto", transports.Request("bn")) is not None
+        return
+    with pytest.warns(RuntimeWarning, match=r"bn: this process is one of 3 started by mpirun \(Open MPI\), but Test "
+                                            r"SyncBatchNorm found no transport \(not horovod: the test says no\)"):
+        assert registry.resolve("auto", transports.Request("bn")) is None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert registry.resolve("auto", transports.Request("bn2")) is None
