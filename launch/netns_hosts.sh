@@ -67,22 +67,8 @@ leftovers() {
   ip -o link show | awk -F': ' '{ sub(/@.*/, "", $2); print "link " $2 }' | grep -E "^link ${prefix}(br|v[0-9]+)$" || true
 }
 
-remove_namespace() {  # its processes (this job's, nobody else's), then the namespace
-  local ns=$1 pids
-  pids=$(ip netns pids "$ns" 2>/dev/null || true)
-  if [ -n "$pids" ]; then
-    # shellcheck disable=SC2086
-    kill -TERM $pids 2>/dev/null || true
-    for _ in 1 2 3 4 5 6 7 8 9 10; do
-      pids=$(ip netns pids "$ns" 2>/dev/null || true)
-      [ -z "$pids" ] && break
-      sleep 0.5
-    done
-    # shellcheck disable=SC2086
-    [ -z "$pids" ] || kill -KILL $pids 2>/dev/null || true
-  fi
-  ip netns del "$ns" 2>/dev/null || true
-}
+# shellcheck source=/dev/null
+source "$(dirname "${BASH_SOURCE[0]}")/_netns.sh"  # remove_namespace
 
 if [ "$cleanup_only" = 1 ]; then
   while read -r kind name; do

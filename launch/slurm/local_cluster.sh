@@ -64,22 +64,8 @@ stop_pid() {  # stop_pid FILE: TERM the process in FILE, then KILL it after 5 s
   kill -KILL "$pid" 2>/dev/null || true
 }
 
-stop_namespace() {  # every process in the namespace (slurmd, its steps, the job's ranks), then it
-  local ns=$1 pids
-  pids=$(ip netns pids "$ns" 2>/dev/null || true)
-  if [ -n "$pids" ]; then
-    # shellcheck disable=SC2086
-    kill -TERM $pids 2>/dev/null || true
-    for _ in $(seq 50); do
-      pids=$(ip netns pids "$ns" 2>/dev/null || true)
-      [ -z "$pids" ] && break
-      sleep 0.1
-    done
-    # shellcheck disable=SC2086
-    [ -z "$pids" ] || kill -KILL $pids 2>/dev/null || true
-  fi
-  ip netns del "$ns" 2>/dev/null || true
-}
+# shellcheck source=/dev/null
+source "$(dirname "${BASH_SOURCE[0]}")/../_netns.sh"  # remove_namespace
 
 leftovers() {  # what `down` removes, if it is there
   ip netns list 2>/dev/null | awk '{ print $1 }' | grep -E "^${PREFIX}[0-9]+$" || true
@@ -92,7 +78,7 @@ leftovers() {  # what `down` removes, if it is there
 
 down() {
   local i
-  for ((i = 1; i <= ${#NODES[@]}; i++)); do stop_namespace "$PREFIX$i"; done
+  for ((i = 1; i <= ${#NODES[@]}; i++)); do remove_namespace "$PREFIX$i"; done
   stop_pid "$dir/slurmctld.pid"
   stop_pid "$dir/munged.pid"
   for ((i = 1; i <= ${#NODES[@]}; i++)); do ip link del "${PREFIX}v$i" 2>/dev/null || true; done
