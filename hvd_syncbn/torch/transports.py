@@ -198,7 +198,7 @@ def _request(process_set: Any, layer: str, hvd_on: bool) -> Request:
         raise not_a_member(layer, hvd.rank(), process_set.ranks)
     pg_exists = dist.is_available() and dist.is_initialized()  # in the key: comm='torch' is a private group without
     return Request(layer, (hvd.size(), hvd.rank()) if hvd_on else None, pg_exists, process_set,
-                              (_set_key(process_set), pg_exists), _ranks(process_set))
+                   (_set_key(process_set), pg_exists), _ranks(process_set))
 
 
 def _set_key(process_set: Any) -> Any:
