@@ -1,14 +1,17 @@
-"""Test helpers shared by the rank-side suites: shards, global batches and comparisons.
+"""The oracle every layer test uses: shards, global batches, one runner, comparisons.
 
-Every rank builds the same global batch from a seed, runs its own slice through the
-layer under test and compares with plain BN run on the whole batch in one process.
+Every rank builds the same global batches from a seed, trains its layer on its own
+slice and compares with plain BN trained on the whole batches in one process
+(:func:`train_like_one_process`), wherever its ranks run: as launched processes or as
+threads of one process (:class:`Ranks`), for PyTorch (:class:`TorchTrainer`) and Keras
+(:class:`KerasTrainer`). Frameworks are imported only by the trainer that needs one.
 """
 
 from __future__ import annotations
 
 import json
 import os
-from typing import Any, List, Mapping, Sequence
+from typing import Any, Callable, Dict, List, Mapping, NamedTuple, Sequence
 
 import numpy as np
 
@@ -52,6 +55,157 @@ def training_batches(rows: int, tail: Sequence[int], steps: int = 3, seed: int =
 def eval_batch(rows: int, tail: Sequence[int], seed: int = 0, offset: float = 0.0, scale: float = 1.0):
     """The global batch the oracle evaluates on after :func:`training_batches`."""
     return global_batch(seed + 50, rows, tail, offset=offset, scale=scale)
+
+
+class Ranks(NamedTuple):
+    """The ranks of a test as this process holds them: ``run(fn)`` calls ``fn(rank)`` for
+    each rank held here (one when launched, all in a world of threads) and returns
+    ``{rank: result}``; ``sum(values, name)`` sums ``{rank: tensor}`` over every rank of
+    the world (a collective called ``name`` when launched)."""
+
+    size: int
+    run: Callable[[Callable[[int], Any]], Dict[int, Any]]
+    sum: Callable[[Dict[int, Any], str], Any]
+
+
+def launched(rank: int, size: int, allreduce: Callable[[Any, str], Any]) -> Ranks:
+    """This process is ``rank`` of ``size``; ``allreduce(tensor, name)`` sums over them."""
+    return Ranks(size, lambda fn: {rank: fn(rank)}, lambda values, name: allreduce(values[rank], name))
+
+
+# What a trainer returns: per row (each rank compares its own rows) or per parameter
+# (summed over the ranks first, as an optimizer would); everything else is compared whole.
+ROWS = ("output", "input grad", "eval output")
+SUMMED = ("weight grad", "bias grad", "gamma grad", "beta grad")
+
+
+def train_like_one_process(ranks: Ranks, sizes: Sequence[int], batches: list, eval_x, ours: Callable[[int], Any],
+                           references: list, compare: Callable) -> Dict[int, list]:
+    """The oracle: each rank's trainer ``ours(rank)`` trains on its rows (``sizes``) of
+    ``batches`` (per step ``(x, r, m)``: :func:`training_batches`) and then evaluates on
+    its rows of ``eval_x``; each trainer of ``references`` does the same on the whole
+    batches. Per step (and the evaluation) and rank held here,
+    ``compare(ours, [reference, ...], what, batch)`` with the reference's :data:`ROWS` cut
+    to the rank's rows and ours' :data:`SUMMED` summed over the ranks. Returns ours'
+    results, ``{rank: [dict per step..., eval dict]}``."""
+    def trained(trainer, rows: slice) -> list:
+        return ([trainer.train(*(None if t is None else t[rows] for t in batch)) for batch in batches]
+                + [trainer.evaluate(eval_x[rows])])
+
+    got = ranks.run(lambda rank: trained(ours(rank), shard_slice(sizes, rank)))
+    wants = [trained(reference, slice(None)) for reference in references]
+    for i, batch in enumerate([*batches, (eval_x,)]):
+        what = f"step {i}" if i < len(batches) else "eval"
+        summed = {name: ranks.sum({rank: g[i][name] for rank, g in got.items()}, f"oracle.{what}.{name}")
+                  for name in SUMMED if name in wants[0][i]}
+        for rank, g in got.items():
+            rows = shard_slice(sizes, rank)
+            cut = [{name: t[rows] if name in ROWS else t for name, t in want[i].items()} for want in wants]
+            compare({**g[i], **summed}, cut, f"{what}, rank {rank} of {sizes}", batch)
+    return got
+
+
+def as_accurate(alone: bool = False, **kwargs) -> Callable:
+    """The comparison for references ``[plain, plain in float64]``: ours as close to
+    float64 as plain is (:func:`assert_as_accurate`); ``alone``, equal to plain."""
+    return lambda got, refs, what, batch: assert_as_accurate(got, refs[0], refs[1], what, alone=alone, **kwargs)
+
+
+def conditioned(channel_axes: Sequence[int], grad_atol: float = None, **tol) -> Callable:
+    """The comparison for references ``[plain in float64]``, element-wise, within a
+    tolerance from each batch's conditioning, unless ``tol`` gives one: x̂ in float32 is
+    off by about ε·max|x|/std (the smallest channel's std), in ours as in plain float32
+    BN, so the output (γ ≤ 1.5) by 1.5 times that, with 4x room; the input gradient,
+    γ·(...)/std, by that over the std (``grad_atol`` replaces its atol). γ/β gradients
+    are float32 sums of ~10² O(1) terms that nearly cancel: their rounding alone is
+    ~1e-6·√rows against float64, hence atol 1e-5."""
+    def compare(got, refs, what, batch):
+        x = batch[0]
+        std = x.std(axis=tuple(a for a in range(x.ndim) if a not in channel_axes)).min()
+        atol = 4 * 1.5 * float(np.finfo(np.float32).eps) * np.abs(x).max() / std
+        grad = {**(tol or dict(rtol=1e-5, atol=atol * max(1.0, 1 / std))), **({"atol": grad_atol} if grad_atol else {})}
+        for name, t in got.items():
+            bound = grad if name == "input grad" else {"atol": 1e-5, **tol} if name in SUMMED else (
+                tol or dict(rtol=1e-5, atol=atol))
+            assert_close(t, refs[0][name], f"{name} ({what})", **bound)
+    return compare
+
+
+class TorchTrainer:
+    """One step of a torch BN layer: input in the layer's dtype, loss ``Σ y·r``; returns
+    the output, the input gradient, the parameters' gradients and the running buffers."""
+
+    def __init__(self, layer, channels_last: bool = False) -> None:
+        self.layer, self.channels_last = layer, channels_last
+
+    def _input(self, x):
+        import torch
+
+        dtype = next((t.dtype for t in self.layer.state_dict().values() if t.is_floating_point()), torch.float32)
+        x = torch.as_tensor(x).to(dtype)
+        return x.contiguous(memory_format=torch.channels_last) if self.channels_last else x
+
+    def train(self, x, r, m=None) -> dict:
+        import torch
+
+        layer, x = self.layer, self._input(x).requires_grad_(True)
+        y = layer(x)
+        if self.channels_last:
+            assert y.is_contiguous(memory_format=torch.channels_last), "channels_last output lost"
+        (y * torch.as_tensor(r).to(y.dtype)).sum().backward()
+        out = {"output": y.detach(), "input grad": x.grad}
+        for name in ("weight", "bias"):
+            p = getattr(layer, name)
+            if p is not None:
+                out[f"{name} grad"], p.grad = p.grad, None
+        return {**out, **{name: t.clone() for name in ("running_mean", "running_var", "num_batches_tracked")
+                          if (t := getattr(layer, name)) is not None}}
+
+    def evaluate(self, x) -> dict:
+        import torch
+
+        training = self.layer.training
+        with torch.no_grad():
+            y = self.layer.eval()(self._input(x))
+        self.layer.train(training)
+        return {"eval output": y}
+
+
+class KerasTrainer:
+    """One step of a Keras BN layer (in a ``tf.function`` if ``compiled``): input and
+    ``r`` in the layer's variable dtype, loss ``Σ y·r``; returns the output, the input
+    gradient, γ's and β's gradients and the moving statistics."""
+
+    def __init__(self, layer, compiled: bool = False) -> None:
+        import tensorflow as tf
+
+        self.layer, self.tf = layer, tf
+        self._step = tf.function(self._forward_backward) if compiled else self._forward_backward
+
+    def _forward_backward(self, x, r, m):
+        layer, tf = self.layer, self.tf
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            y = layer(x, training=True) if m is None else layer(x, training=True, mask=m)
+            loss = tf.reduce_sum(tf.cast(y, r.dtype) * r)
+        return y, tape.gradient(loss, [x, *self._weights().values()])
+
+    def _weights(self) -> dict:
+        return {name: w for name in ("gamma", "beta") if (w := getattr(self.layer, name, None)) is not None}
+
+    def train(self, x, r, m=None) -> dict:
+        layer, tf = self.layer, self.tf
+        y, (dx, *dw) = self._step(tf.cast(x, layer.variable_dtype), tf.cast(r, layer.variable_dtype),
+                                  None if m is None else tf.constant(m))
+        names = list(self._weights())
+        assert y.dtype == layer.compute_dtype, f"output dtype {y.dtype} != {layer.compute_dtype}"
+        state = ("moving_mean", "moving_variance") + (
+            ("moving_stddev", "renorm_mean", "renorm_stddev") if getattr(layer, "renorm", False) else ())
+        return {"output": y, "input grad": dx, **{f"{n} grad": g for n, g in zip(names, dw)},
+                **{name: tf.identity(getattr(layer, name)) for name in state}}
+
+    def evaluate(self, x) -> dict:
+        return {"eval output": self.layer(x, training=False)}
 
 
 def assert_close(got, want, what: str, rtol: float = 1e-5, atol: float = 1e-6) -> None:

@@ -26,7 +26,8 @@ from hvd_syncbn.tensorflow import (  # noqa: E402
 )
 from keras_models import small_model  # noqa: E402
 from oracle import (  # noqa: E402
-    EMPTY, UNEQUAL, assert_as_accurate, assert_close, eval_batch, global_batch, shard_sizes, shard_slice, training_batches,
+    EMPTY, UNEQUAL, KerasTrainer, assert_as_accurate, assert_close, conditioned, eval_batch, global_batch, launched,
+    shard_sizes, shard_slice, train_like_one_process, training_batches,
 )
 
 os.environ.setdefault("HOROVOD_TIMELINE", "DYNAMIC")
@@ -93,57 +94,13 @@ def make_pair(tail, axis=-1, oracle_dtype="float64", **kwargs):
 def run_steps(sync, plain, tail, pattern, steps=3, compiled=False, mask=False, scale=1.0, grad_atol=None, **tol):
     """Train ``sync`` on this rank's shard and ``plain`` on the whole batch (its data
     ``scale`` times unit normal, shifted by ``scale·step``); compare, by default within
-    a tolerance from each batch's conditioning. ``grad_atol`` replaces ``atol`` for the
-    input gradient, which grows as 1/``scale``."""
+    a tolerance from each batch's conditioning (:func:`oracle.conditioned`)."""
     sizes = shard_sizes(pattern, WORLD)
-    mine = shard_slice(sizes, RANK)
-
-    def fwd_bwd(layer, x, r, m):
-        x = tf.cast(x, layer.variable_dtype)
-        with tf.GradientTape() as tape:
-            tape.watch(x)
-            y = layer(x, training=True, mask=m) if mask else layer(x, training=True)
-            loss = tf.reduce_sum(tf.cast(y, r.dtype) * r)
-        weights = [w for w in (getattr(layer, "gamma", None), getattr(layer, "beta", None)) if w is not None]
-        grads = tape.gradient(loss, [x] + weights)
-        return y, grads
-
-    step_fn = tf.function(fwd_bwd) if compiled else fwd_bwd
-
-    channel_axes = [a % (len(tail) + 1) for a in ([sync.axis] if isinstance(sync.axis, int) else sync.axis)]
-
-    def conditioned(x):
-        # Unless given: x̂ in float32 is off by about ε·max|x|/std (the smallest channel's
-        # std), in ours as in plain float32 BN, so the output (γ ≤ 1.5) by 1.5 times that,
-        # with 4x room; the input gradient, γ·(...)/std, by that over the std. The batches
-        # drift by ``scale`` a step, so their conditioning worsens step by step.
-        std = x.std(axis=tuple(a for a in range(x.ndim) if a not in channel_axes)).min()
-        atol = 4 * 1.5 * float(np.finfo(np.float32).eps) * np.abs(x).max() / std
-        return (tol or dict(rtol=1e-5, atol=atol)), (tol or dict(rtol=1e-5, atol=atol * max(1.0, 1 / std)))
-
-    for step, (x_all, r_all, m_all) in enumerate(training_batches(sum(sizes), tail, steps, drift=scale, scale=scale,
-                                                                   mask=mask)):
-        step_tol, grad_tol = conditioned(x_all)
-        grad_tol = {**grad_tol, "atol": grad_atol} if grad_atol else grad_tol
-        y_all, g_all = fwd_bwd(plain, tf.constant(x_all), tf.constant(r_all, plain.variable_dtype),
-                               None if m_all is None else tf.constant(m_all))
-        y, g = step_fn(sync, tf.constant(x_all[mine]), tf.constant(r_all[mine]),
-                       None if m_all is None else tf.constant(m_all[mine]))
-        what = f"step {step}, rank {RANK} of {sizes}"
-        assert y.dtype == sync.compute_dtype, f"output dtype {y.dtype} != {sync.compute_dtype}"
-        assert_close(y, y_all[mine.start:mine.stop], f"output ({what})", **step_tol)
-        assert_close(g[0], g_all[0][mine.start:mine.stop], f"input grad ({what})", **grad_tol)
-        # γ/β grads are float32 sums of ~10² O(1) terms that nearly cancel: their
-        # rounding alone is ~1e-6·√rows against the float64 oracle, hence atol 1e-5.
-        for i, (mine_g, want_g) in enumerate(zip(g[1:], g_all[1:])):
-            assert_close(allreduce_sum(mine_g, f"w{i}.{step}"), want_g, f"weight grad {i} summed ({what})",
-                         **{"atol": 1e-5, **tol})
-        renorm = ("moving_stddev", "renorm_mean", "renorm_stddev") if getattr(plain, "renorm", False) else ()
-        for name in ("moving_mean", "moving_variance", *renorm):
-            assert_close(getattr(sync, name), getattr(plain, name), f"{name} ({what})", **step_tol)
-    x_all = eval_batch(sum(sizes), tail)
-    assert_close(sync(x_all[mine], training=False), plain(x_all, training=False)[mine.start:mine.stop],
-                 f"inference output, rank {RANK}", **conditioned(x_all)[0])
+    axes = [a % (len(tail) + 1) for a in ([sync.axis] if isinstance(sync.axis, int) else sync.axis)]
+    train_like_one_process(launched(RANK, WORLD, allreduce_sum), sizes,
+                           training_batches(sum(sizes), tail, steps, drift=scale, scale=scale, mask=mask),
+                           eval_batch(sum(sizes), tail), lambda rank: KerasTrainer(sync, compiled),
+                           [KerasTrainer(plain)], conditioned(axes, grad_atol, **tol))
 
 
 CASES = {

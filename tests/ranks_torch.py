@@ -30,7 +30,8 @@ from hvd_syncbn import comm as transport
 from hvd_syncbn.torch import SyncBatchNorm, convert_sync_batchnorm
 from hvd_syncbn.torch import kernels
 from oracle import (
-    EMPTY, UNEQUAL, assert_as_accurate, assert_close, eval_batch, global_batch, shard_sizes, shard_slice, training_batches,
+    EMPTY, UNEQUAL, Ranks, TorchTrainer, as_accurate, assert_close, eval_batch, global_batch, launched, shard_sizes,
+    shard_slice, train_like_one_process, training_batches,
 )
 
 hvd = pytest.importorskip("horovod.torch")
@@ -77,55 +78,34 @@ def allreduce_sum(t: torch.Tensor, name: str, ps=None) -> torch.Tensor:
     return hvd.allreduce(t.detach().contiguous(), op=hvd.Sum, name=f"test.{name}", process_set=ps)
 
 
-def trained(layer, x, r, rows, name, ps=None):
-    """One training step of ``layer`` on ``x`` (loss ``Σ y·r``): its output and input
-    gradient at ``rows``, its parameters' gradients (summed over the ranks of ``ps``, if
-    given, in a collective called ``name``) and its running statistics; and the output."""
-    x = x.detach().clone().requires_grad_(True)
-    y = layer(x)
-    (y * r.to(y.dtype)).sum().backward()
-    out = {"output": y.detach()[rows], "input grad": x.grad[rows]}
-    for param in ("weight", "bias"):
-        p = getattr(layer, param)
-        if p is not None:  # (Horovod sums no bfloat16, hence the float32 round trip)
-            out[f"{param} grad"] = p.grad if ps is None else allreduce_sum(
-                p.grad.float(), f"{name}.{param}", ps).to(p.dtype)
-            p.grad = None
-    for buffer in ("running_mean", "running_var", "num_batches_tracked"):
-        if getattr(layer, buffer) is not None:
-            out[buffer] = getattr(layer, buffer).clone()
-    return out, y
+def ranks_of(ps=None) -> Ranks:
+    """This rank of ``ps`` (default: all ranks), summing over it (Horovod sums no
+    bfloat16, hence the float32 round trip)."""
+    ps = ps or hvd.global_process_set
+    return launched(ps.rank(), ps.size(), lambda t, name: allreduce_sum(t.float(), name, ps).to(t.dtype))
 
 
-def run_steps(sync, plain, tail, pattern, steps=3, seed=0, channels_last=False, ps=None, drift=1.0):
+def run_steps(sync, plain, tail, pattern, steps=3, seed=0, channels_last=False, ps=None, drift=1.0, dtype=None):
     """Train ``sync`` on this rank's shards, and ``plain`` and a float64 copy of it on the
     whole batches: ``sync`` must be as close to float64 as ``plain`` is (alone: equal).
+    Returns ours' results (:func:`oracle.train_like_one_process`).
 
     ``ps``: the process set the layer synchronises within (default: all ranks).
     ``drift``: how far the batches' mean moves per step, in standard deviations.
+    ``dtype``: the inputs rounded to it (all three layers see the same values).
     """
-    ps = ps or hvd.global_process_set
-    rank, alone = ps.rank(), ps.size() == 1
-    sizes = shard_sizes(pattern, ps.size())
-    mine = shard_slice(sizes, rank)
-    plain64 = copy.deepcopy(plain).double()
-    for step, (x_all, r_all, _) in enumerate(training_batches(sum(sizes), tail, steps, seed, drift=drift)):
-        x_all, r_all = torch.from_numpy(x_all), torch.from_numpy(r_all)
-        if channels_last:
-            x_all = x_all.to(memory_format=torch.channels_last)
-        got, y = trained(sync, x_all[mine], r_all[mine], slice(None), f"grad.{step}", ps)
-        if channels_last:
-            assert y.is_contiguous(memory_format=torch.channels_last), "channels_last output lost"
-        want32, _ = trained(plain, x_all, r_all, mine, "")
-        want64, _ = trained(plain64, x_all.double(), r_all, mine, "")
-        assert_as_accurate(got, want32, want64, f"step {step}, rank {rank} of {sizes}", alone=alone)
-    # Eval after training: running statistics (or batch ones), no communication needed.
-    x_all = torch.from_numpy(eval_batch(sum(sizes), tail, seed))
-    with torch.no_grad():
-        outs = [{"eval output": layer.eval()(x)[rows]}
-                for layer, x, rows in ((sync, x_all[mine], slice(None)), (plain, x_all, mine),
-                                       (plain64, x_all.double(), mine))]
-    assert_as_accurate(*outs, f"eval output, rank {rank}", alone=alone)
+    ranks = ranks_of(ps)
+    sizes = shard_sizes(pattern, ranks.size)
+    batches = training_batches(sum(sizes), tail, steps, seed, drift=drift)
+    eval_x = eval_batch(sum(sizes), tail, seed)
+    if dtype is not None:
+        def rounded(x):
+            return torch.from_numpy(x).to(dtype).double().numpy()
+
+        batches, eval_x = [(rounded(x), r, m) for x, r, m in batches], rounded(eval_x)
+    references = [TorchTrainer(layer, channels_last) for layer in (plain, copy.deepcopy(plain).double())]
+    return train_like_one_process(ranks, sizes, batches, eval_x, lambda rank: TorchTrainer(sync, channels_last),
+                                  references, as_accurate(alone=ranks.size == 1))
 
 
 def make_pair(channels, ndim, **kwargs):
@@ -185,16 +165,8 @@ def test_model_cast_to_low_precision_matches_plain_bn(dtype):
     """``model.to(bfloat16 / float16)``: input, parameters and running statistics all in
     that dtype, as close to float64 BN on the global batch as plain BN run the same way."""
     sync, plain = (layer.to(dtype) for layer in make_pair(4, 4))
-    plain64 = copy.deepcopy(plain).double()
-    sizes = shard_sizes(UNEQUAL, WORLD)
-    mine = shard_slice(sizes, RANK)
-    x_all = torch.from_numpy(global_batch(11, sum(sizes), (4, 6, 6), offset=1.0)).to(dtype)
-    r_all = torch.from_numpy(global_batch(12, sum(sizes), (4, 6, 6))).to(dtype)
-    got, _ = trained(sync, x_all[mine], r_all[mine], slice(None), f"grad.{dtype}", hvd.global_process_set)
-    assert {t.dtype for t in got.values() if t.is_floating_point()} == {dtype}
-    want, _ = trained(plain, x_all, r_all, mine, "")
-    want64, _ = trained(plain64, x_all.double(), r_all, mine, "")
-    assert_as_accurate(got, want, want64, f"{dtype}, rank {RANK}", alone=WORLD == 1)
+    got = run_steps(sync, plain, (4, 6, 6), UNEQUAL, steps=1, seed=11, dtype=dtype)
+    assert {t.dtype for t in got[RANK][0].values() if t.is_floating_point()} == {dtype}
 
 
 def test_double_backward_raises_across_ranks():

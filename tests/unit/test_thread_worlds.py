@@ -14,7 +14,8 @@ import pytest
 from conftest import collective_timeout, results, run, tensorflow, world
 from hvd_syncbn import comm
 from oracle import (
-    EMPTY, UNEQUAL, assert_as_accurate, assert_close, eval_batch, global_batch, shard_sizes, shard_slice, training_batches,
+    EMPTY, UNEQUAL, KerasTrainer, Ranks, TorchTrainer, as_accurate, conditioned, eval_batch, global_batch, shard_sizes,
+    train_like_one_process, training_batches,
 )
 
 STEPS = 3
@@ -67,6 +68,12 @@ TORCH_WORLD_CASES = {
 }
 
 
+def threads(comms) -> Ranks:
+    """The ranks of a world of threads, one per communicator, all held here."""
+    return Ranks(len(comms), lambda fn: dict(enumerate(results(run(len(comms), lambda r, c: fn(r), comms)))),
+                 lambda values, name: sum(values.values()))
+
+
 @pytest.mark.parametrize("stats", ["host", "device"])
 @pytest.mark.parametrize("size", [1, 2, 3])
 @pytest.mark.parametrize("case", TORCH_WORLD_CASES)
@@ -76,58 +83,22 @@ def test_torch_layer_in_a_thread_world_matches_plain_bn(case, size, stats):
     ``nn.BatchNorm`` in float64 on the concatenated batch as ``nn.BatchNorm`` in float32
     is (``assert_as_accurate``); one collective per direction per step. On both paths of
     the statistics (the device path over the custom op)."""
-    torch = pytest.importorskip("torch")
     c = TORCH_WORLD_CASES[case]
-    tail, channels_last = c["tail"], c.get("channels_last", False)
-    offset, scale = c.get("offset", 0.0), c.get("scale", 1.0)
+    tail, offset, scale = c["tail"], c.get("offset", 0.0), c.get("scale", 1.0)
     comms, layers, plain = torch_pair(size, tail, stats=stats, **c.get("kwargs", {}))
-    plain32 = copy.deepcopy(plain).float()
     sizes = shard_sizes(c["pattern"], size)
-    batches = [(torch.from_numpy(x), torch.from_numpy(r))
-               for x, r, _ in training_batches(sum(sizes), tail, STEPS, offset=offset, drift=scale, scale=scale)]
-    state = ("running_mean", "running_var", "num_batches_tracked")
+    channels_last = c.get("channels_last", False)
 
-    def train(layer, x, r):
-        x = x.contiguous(memory_format=torch.channels_last) if channels_last else x
-        x = x.clone().requires_grad_(True)
-        y = layer(x)
-        (y * r).sum().backward()
-        params = {f"{n} grad": getattr(layer, n).grad.clone() for n in ("weight", "bias")
-                  if getattr(layer, n) is not None}
-        layer.zero_grad(set_to_none=True)
-        return dict(output=y.detach(), **{"input grad": x.grad}, **params,
-                    **{n: getattr(layer, n).clone() for n in state})
+    def ours(rank):
+        assert layers[rank].comm is comms[rank]
+        return TorchTrainer(layers[rank], channels_last)
 
-    want = [train(plain, x.double(), r.double()) for x, r in batches]
-    want32 = [train(plain32, x, r) for x, r in batches]
-
-    def rank(r, comm):
-        assert layers[r].comm is comm
-        mine = shard_slice(sizes, r)
-        return [train(layers[r], x[mine], t[mine]) for x, t in batches]
-
-    got = results(run(size, rank, comms))
-    for step, expected in enumerate(want):
-        what = f"{case}, step {step}, {sizes} rows"
-        for r in range(size):
-            mine, ours = shard_slice(sizes, r), dict(got[r][step])
-            if channels_last and sizes[r]:
-                assert ours["output"].is_contiguous(memory_format=torch.channels_last), "channels_last output lost"
-            for name in ("weight grad", "bias grad"):  # summed over the ranks, as an optimizer would
-                if name in ours:
-                    ours[name] = sum(got[q][step][name] for q in range(size))
-            ref, ref32 = ({n: t[mine] if n in ("output", "input grad") else t for n, t in e.items()}
-                          for e in (expected, want32[step]))
-            assert_as_accurate(ours, ref32, ref, f"rank {r} ({what})")
+    train_like_one_process(
+        threads(comms), sizes, training_batches(sum(sizes), tail, STEPS, offset=offset, drift=scale, scale=scale),
+        eval_batch(sum(sizes), tail, offset=offset, scale=scale), ours,
+        [TorchTrainer(copy.deepcopy(plain).float(), channels_last), TorchTrainer(plain, channels_last)],
+        as_accurate())
     assert [c.calls for c in comms] == [collectives(size)] * size, "expected one collective per direction per step"
-    x = torch.from_numpy(eval_batch(sum(sizes), tail, offset=offset, scale=scale))
-    with torch.no_grad():
-        ref, ref32 = (model.eval()(x.to(dtype)) for model, dtype in ((plain, torch.float64), (plain32, torch.float32)))
-        for r, layer in enumerate(layers):
-            mine = shard_slice(sizes, r)
-            assert_as_accurate({"eval output": layer.eval()(x[mine])}, {"eval output": ref32[mine]},
-                               {"eval output": ref[mine]}, f"rank {r}")
-    assert [c.calls for c in comms] == [collectives(size)] * size, "eval communicated"
 
 
 def test_torch_bad_input_on_one_rank_fails_every_rank_naming_it():
@@ -199,63 +170,19 @@ def test_keras_layer_in_a_thread_world_matches_keras_bn(case, size, compiled):
     """``STEPS`` training steps, then inference: outputs, input grads, gamma/beta grads
     summed over the ranks and moving statistics, against ``keras.layers.BatchNormalization``
     in float64 on the concatenated batch; one collective per direction per step."""
-    tf = tensorflow()
     c = KERAS_WORLD_CASES[case]
-    tail, mask = c["tail"], c.get("mask", False)
+    tail = c["tail"]
     comms, layers, plain = keras_pair(size, tail, c["axis"])
     sizes = shard_sizes(c["pattern"], size)
-    batches = training_batches(sum(sizes), tail, STEPS, mask=mask)
 
-    def train(layer, x, r, m):
-        x, r = tf.cast(x, layer.variable_dtype), tf.cast(r, layer.variable_dtype)
-        with tf.GradientTape() as tape:
-            tape.watch(x)
-            y = layer(x, training=True, mask=m)
-            loss = tf.reduce_sum(y * r)
-        dx, dgamma, dbeta = tape.gradient(loss, [x, layer.gamma, layer.beta])
-        return y, dx, dgamma, dbeta
+    def ours(rank):
+        assert layers[rank].comm is comms[rank]
+        return KerasTrainer(layers[rank], compiled)
 
-    def tensors(x, r, m, rows=slice(None)):
-        return tf.constant(x[rows]), tf.constant(r[rows]), None if m is None else tf.constant(m[rows])
-
-    def moving(layer):
-        return [layer.moving_mean.numpy(), layer.moving_variance.numpy()]
-
-    want = []
-    for x, r, m in batches:
-        want.append([t.numpy() for t in train(plain, *tensors(x, r, m))] + moving(plain))
-
-    def rank(k, comm):
-        assert layers[k].comm is comm
-        step = tf.function(train) if compiled else train
-        mine, out = shard_slice(sizes, k), []
-        for x, r, m in batches:
-            grads = step(layers[k], *tensors(x, r, m, mine))
-            assert all(g is not None for g in grads), f"rank {k}: a gradient is None"
-            out.append([t.numpy() for t in grads] + moving(layers[k]))
-        return out
-
-    got = results(run(size, rank, comms))
-    names = ("output", "input grad", "gamma grad", "beta grad", "moving_mean", "moving_variance")
-    for step, expected in enumerate(want):
-        what = f"{case}, step {step}, {sizes} rows"
-        for k in range(size):
-            mine = shard_slice(sizes, k)
-            for i, name in enumerate(names):
-                if name in ("gamma grad", "beta grad"):
-                    continue
-                exp = expected[i][mine] if i < 2 else expected[i]
-                assert_close(got[k][step][i], exp, f"{name}, rank {k} ({what})")
-        for i in (2, 3):  # float32 sums of ~10² O(1) terms that nearly cancel
-            summed = sum(got[k][step][i] for k in range(size))
-            assert_close(summed, expected[i], f"{names[i]} summed over ranks ({what})", atol=1e-5)
+    train_like_one_process(threads(comms), sizes, training_batches(sum(sizes), tail, STEPS, mask=c.get("mask", False)),
+                           eval_batch(sum(sizes), tail), ours, [KerasTrainer(plain)],
+                           conditioned([c["axis"] % (len(tail) + 1)]))
     assert [c.calls for c in comms] == [collectives(size)] * size, "expected one collective per direction per step"
-    x = eval_batch(sum(sizes), tail)
-    want_eval = plain(x, training=False).numpy()
-    for k, layer in enumerate(layers):
-        mine = shard_slice(sizes, k)
-        assert_close(layer(x[mine], training=False), want_eval[mine], f"inference output, rank {k}")
-    assert [c.calls for c in comms] == [collectives(size)] * size, "inference communicated"
 
 
 def test_keras_bad_input_on_one_rank_fails_every_rank_naming_it():
