@@ -22,6 +22,7 @@ TORCH = ["tests/ranks_torch.py", "tests/ranks_props.py"]
 MODELS = "tests/ranks_models.py"
 TF = "tests/ranks_tf.py"
 KERAS_BN = "tests/ranks_keras_bn.py"
+KERAS_DEFAULTS = "tests/ranks_keras_defaults.py"
 COMPILE = "tests/ranks_compile.py"
 # ranks_torch.py and ranks_models.py make process sets, which Horovod allows only when
 # asked for before hvd.init(), whichever file of the launch calls it first.
@@ -39,11 +40,11 @@ LAUNCHES = [
     (TORCH + [MODELS], "mpirun", 2, "", SETS),
     (TORCH, "horovodrun-gloo", 3, "", SETS),
     (TORCH + [MODELS], "mpirun", 3, "", SETS),
-    # The Keras suite likewise; Keras's own BN tests with our layer swapped in join it at
-    # 2 ranks on both default transports, where they ran alone before.
+    # The Keras suite likewise; Keras's own BN tests with our layer swapped in, and Keras's
+    # defaults on a GPU machine, join it at 2 ranks on both default transports.
     ([TF], "plain", 1, "", {}),
-    ([TF, KERAS_BN], "horovodrun-gloo", 2, "", {}),
-    ([TF, KERAS_BN], "mpirun", 2, "", {}),
+    ([TF, KERAS_BN, KERAS_DEFAULTS], "horovodrun-gloo", 2, "", {}),
+    ([TF, KERAS_BN, KERAS_DEFAULTS], "mpirun", 2, "", {}),
     ([TF], "horovodrun-gloo", 3, "", {}),
     ([TF], "mpirun", 3, "", {}),
     # The other transports: Horovod's MPI controller under mpirun, torch.distributed (Gloo).

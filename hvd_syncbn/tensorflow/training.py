@@ -11,6 +11,7 @@ these pieces use only ``horovod.tensorflow`` ops, which work::
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import keras
@@ -32,10 +33,13 @@ def DistributedOptimizer(optimizer: keras.optimizers.Optimizer, op: Any = None,
     is this rank's share of the global mean (its rows' summed loss divided by the
     *global* row count), and the sum is exactly the one-process gradient.
 
-    Horovod's allreduce has no XLA kernel: where Keras compiles the train step with XLA
-    (by default on a machine with a GPU, unless a layer such as SyncBatchNormalization
-    opts out), the first step raises ``ValueError``; pass ``jit_compile=False`` to
-    ``model.compile()``.
+    Horovod's allreduce has no XLA kernel, and Keras 3 compiles the train step with XLA by
+    default where a GPU is listed (``jit_compile="auto"`` reads only the layers'
+    ``supports_jit``; an optimizer has no say). :class:`BroadcastGlobalVariablesCallback`
+    and :class:`MetricAverageCallback` therefore set ``model.jit_compile = False``, with a
+    warning, before ``fit`` builds its train step. Without either callback (a custom loop,
+    ``train_on_batch``) a step traced for XLA raises ``ValueError``; pass
+    ``jit_compile=False`` to ``model.compile()``.
 
     For ``mixed_float16``, wrap the loss-scale optimizer, not the other way round:
     ``DistributedOptimizer(keras.optimizers.LossScaleOptimizer(opt))`` reduces the scaled
@@ -59,6 +63,8 @@ def DistributedOptimizer(optimizer: keras.optimizers.Optimizer, op: Any = None,
     base = type(optimizer)
 
     class _Distributed(base):
+        _hvd_syncbn_allreduce = True  # read by _train_without_xla
+
         def apply(self, grads, trainable_variables=None):
             return super().apply(_allreduce_grads(grads, op, process_set), trainable_variables)
 
@@ -82,11 +88,31 @@ def _allreduce_grads(grads, op, process_set):
     return grads
 
 
+def _train_without_xla(model: keras.Model) -> None:
+    """Turn XLA off for ``model``'s train step when its optimizer is a
+    :func:`DistributedOptimizer` (whose allreduce XLA cannot compile). Keras resolves
+    ``jit_compile="auto"`` in ``compile()`` from the layers alone, so the optimizer
+    cannot opt out there, as ``SyncBatchNormalization`` does with ``supports_jit``; a
+    callback's ``set_model`` runs in ``fit`` before the train step is built, and sets
+    Keras's public ``model.jit_compile`` instead."""
+    optimizer = getattr(model, "optimizer", None)
+    inner = getattr(optimizer, "inner_optimizer", None)  # Keras's own LossScaleOptimizer wrapping ours
+    if not any(getattr(o, "_hvd_syncbn_allreduce", False) for o in (optimizer, inner)) or not model.jit_compile:
+        return
+    warnings.warn("DistributedOptimizer: Horovod's allreduce has no XLA kernel, so this model trains without "
+                  "XLA (jit_compile=False); Keras chose XLA because a GPU is listed or jit_compile=True was "
+                  "passed to compile()", stacklevel=2)
+    model.jit_compile = False
+    if getattr(model, "train_function", None) is not None:  # built with XLA by an earlier call
+        model.make_train_function(force=True)
+
+
 class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
     """At the start of training, copy every model and optimizer variable from ``root_rank``.
 
     The optimizer's slots are built first, so its state (e.g. a restored Adam) is
-    broadcast too, and every rank starts the first step from the same point.
+    broadcast too, and every rank starts the first step from the same point. With a
+    :func:`DistributedOptimizer`, it also turns XLA off for the train step (see there).
 
     Args:
         root_rank: the rank whose values everyone takes. Default: 0.
@@ -96,6 +122,10 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
     def __init__(self, root_rank: int = 0, process_set: Any = None):
         super().__init__()
         self.root_rank, self.process_set = root_rank, process_set
+
+    def set_model(self, model):
+        super().set_model(model)
+        _train_without_xla(model)
 
     def on_train_begin(self, logs=None):
         broadcast_variables(self.model, self.root_rank, self.process_set)
@@ -117,11 +147,16 @@ def broadcast_variables(model: keras.Model, root_rank: int = 0, process_set: Any
 
 class MetricAverageCallback(keras.callbacks.Callback):
     """At each epoch's end, replace the logged metrics by their average over the ranks,
-    in one allreduce. Place it before callbacks that read the logs (checkpoints, CSV)."""
+    in one allreduce. Place it before callbacks that read the logs (checkpoints, CSV).
+    With a :func:`DistributedOptimizer`, it also turns XLA off for the train step (see there)."""
 
     def __init__(self, process_set: Any = None):
         super().__init__()
         self.process_set = process_set
+
+    def set_model(self, model):
+        super().set_model(model)
+        _train_without_xla(model)
 
     def on_epoch_end(self, epoch, logs=None):
         if not logs:

@@ -18,7 +18,10 @@ from conftest import collective_timeout, results, run, tensorflow, world
 tf = tensorflow()
 import keras  # noqa: E402
 
-from hvd_syncbn.tensorflow import DistributedOptimizer, SyncBatchNormalization, convert_sync_batchnorm  # noqa: E402
+from hvd_syncbn.tensorflow import (  # noqa: E402
+    BroadcastGlobalVariablesCallback, DistributedOptimizer, MetricAverageCallback, SyncBatchNormalization,
+    convert_sync_batchnorm,
+)
 from keras_models import small_model  # noqa: E402
 from oracle import UNEQUAL, assert_close, global_batch  # noqa: E402
 
@@ -176,6 +179,41 @@ def test_layer_under_xla_says_to_turn_it_off():
     step = tf.function(lambda x: model(x, training=True), jit_compile=True)
     with pytest.raises(ValueError, match=r"SyncBatchNormalization 'stem_bn' cannot run inside XLA yet"):
         step(global_batch(42, 2, (8, 8, 3)))
+
+
+@pytest.fixture
+def gpu_listed(monkeypatch):
+    """``tf.config`` lists a GPU besides the CPUs, as on a GPU machine: all that Keras's
+    ``jit_compile="auto"`` reads of the machine (``Trainer._resolve_auto_jit_compile``)."""
+    real = tf.config.list_physical_devices
+    gpu = tf.config.PhysicalDevice("/physical_device:GPU:0", "GPU")
+    monkeypatch.setattr(tf.config, "list_physical_devices",
+                        lambda device_type=None: real(device_type) + ([gpu] if device_type in (None, "GPU") else []))
+
+
+@pytest.mark.parametrize("callback", [BroadcastGlobalVariablesCallback, MetricAverageCallback])
+@pytest.mark.parametrize("wrap", ["ours", "loss-scaled"])
+def test_default_compile_on_a_gpu_machine_trains_without_xla(gpu_listed, callback, wrap):
+    """Keras picks XLA for a plain model where a GPU is listed (else this tests nothing);
+    not with our layer in it (``supports_jit``); with plain BN and our optimizer, which
+    Keras does not ask, our callbacks turn it off, with a warning, when ``fit`` hands
+    them the model (``CallbackList``), before it builds the train step."""
+    plain = small_model()
+    plain.compile(optimizer="sgd", loss="mse")
+    assert plain.jit_compile is True, "a listed GPU no longer turns XLA on: this test no longer tests it"
+    keras.callbacks.CallbackList([callback()], model=plain)
+    assert plain.jit_compile is True, "our callback turned XLA off for a model without our optimizer"
+    sync = small_model(SyncBatchNormalization)
+    sync.compile(optimizer="sgd", loss="mse")
+    assert sync.jit_compile is False
+    opt = DistributedOptimizer(keras.optimizers.SGD(0.1))
+    model = small_model()
+    model.compile(optimizer=keras.optimizers.LossScaleOptimizer(opt) if wrap == "loss-scaled" else opt, loss="mse")
+    assert model.jit_compile is True  # compile() reads the layers only
+    with pytest.warns(UserWarning, match="DistributedOptimizer: Horovod's allreduce has no XLA kernel, so this "
+                                         r"model trains without XLA \(jit_compile=False\)"):
+        keras.callbacks.CallbackList([callback()], model=model)
+    assert model.jit_compile is False
 
 
 def test_distributed_optimizer_saves_as_plain_class_and_rejects_bad_op():
