@@ -23,13 +23,16 @@ MODELS = "tests/ranks_models.py"
 TF = "tests/ranks_tf.py"
 KERAS_BN = "tests/ranks_keras_bn.py"
 KERAS_DEFAULTS = "tests/ranks_keras_defaults.py"
+KERAS_MODELS = "tests/ranks_keras_models.py"
+SLOW = (MODELS, KERAS_MODELS)
 COMPILE = "tests/ranks_compile.py"
 # ranks_torch.py and ranks_models.py make process sets, which Horovod allows only when
 # asked for before hvd.init(), whichever file of the launch calls it first.
 SETS = dict(HOROVOD_DYNAMIC_PROCESS_SETS="1")
 
 # (files, launcher, ranks, HVD_SYNCBN_COMM, environment). What the 28 launches before
-# ran, in 17: every file still runs at every launcher, world size and transport it ran at.
+# ran, in 17: every file runs at every launcher, world size and transport it ran at,
+# except the real models (``SLOW``), which test the layers in training, not the transport.
 # The layers' transport is automatic (""): Horovod under horovodrun, MPI under mpirun.
 LAUNCHES = [
     # The PyTorch suites, at 1 rank plainly, 2 and 3 under horovodrun (Gloo) and mpirun.
@@ -40,13 +43,14 @@ LAUNCHES = [
     (TORCH + [MODELS], "mpirun", 2, "", SETS),
     (TORCH, "horovodrun-gloo", 3, "", SETS),
     (TORCH + [MODELS], "mpirun", 3, "", SETS),
-    # The Keras suite likewise; Keras's own BN tests with our layer swapped in, and Keras's
-    # defaults on a GPU machine, join it at 2 ranks on both default transports.
+    # The Keras suite likewise (its real models and optimizers under mpirun at 2 and 3);
+    # Keras's own BN tests with our layer swapped in, and Keras's defaults on a GPU
+    # machine, join it at 2 ranks on both default transports.
     ([TF], "plain", 1, "", {}),
     ([TF, KERAS_BN, KERAS_DEFAULTS], "horovodrun-gloo", 2, "", {}),
-    ([TF, KERAS_BN, KERAS_DEFAULTS], "mpirun", 2, "", {}),
+    ([TF, KERAS_BN, KERAS_DEFAULTS, KERAS_MODELS], "mpirun", 2, "", {}),
     ([TF], "horovodrun-gloo", 3, "", {}),
-    ([TF], "mpirun", 3, "", {}),
+    ([TF, KERAS_MODELS], "mpirun", 3, "", {}),
     # The other transports: Horovod's MPI controller under mpirun, torch.distributed (Gloo).
     (TORCH, "mpirun", 2, "horovod", SETS),
     ([TF], "mpirun", 2, "horovod", {}),
@@ -68,7 +72,7 @@ def launch_id(files, launcher, np_, comm, env) -> str:
 
 
 @pytest.mark.parametrize("files, launcher, np_, comm, env", [
-    pytest.param(*launch, marks=[pytest.mark.slow] if MODELS in launch[0] else [], id=launch_id(*launch))
+    pytest.param(*launch, marks=[pytest.mark.slow] if set(SLOW) & set(launch[0]) else [], id=launch_id(*launch))
     for launch in LAUNCHES])
 def test_suites(files, launcher, np_, comm, env):
     run_suite(launcher, np_, files, comm, **env)  # each suite asserts that its layers use ``comm`` (if set)
