@@ -13,6 +13,10 @@ from typing import Mapping, Optional, Tuple
 # ranks then carry the outer launcher's variables too), and mpirun under srun (Open MPI
 # and Hydra start their daemons with srun inside an allocation, and the ranks inherit that
 # step's SLURM_* variables). The sbatch/salloc shell itself has SLURM_NTASKS but no step.
+# A bare WORLD_SIZE comes last: Lightning's own launcher (``Trainer(strategy="ddp")``
+# started by ``python``) sets it in its processes and nothing else of the above, while
+# users also export it for torch's ``env://`` under the launchers above.
+WORLD_SIZE_LAUNCHER = "a launcher that sets WORLD_SIZE (Lightning's)"
 
 
 def _detect(env: Mapping[str, str]) -> Tuple[Optional[str], Optional[str]]:
@@ -32,6 +36,8 @@ def _detect(env: Mapping[str, str]) -> Tuple[Optional[str], Optional[str]]:
         return "a PMIx launcher", None
     if "PMI_SIZE" in env:
         return "a PMI launcher", "PMI_SIZE"
+    if "WORLD_SIZE" in env:
+        return WORLD_SIZE_LAUNCHER, "WORLD_SIZE"
     return None, None
 
 
@@ -41,8 +47,10 @@ def launcher(env: Optional[Mapping[str, str]] = None) -> Optional[str]:
     One of ``"srun --mpi=pmix"`` (or another of srun's MPI plugins; plain ``"srun"``
     without one), ``"mpirun (Open MPI)"`` (also under ``horovodrun --mpi``, which runs
     it), ``"mpirun (MPICH Hydra)"``, ``"horovodrun --gloo"``, ``"torchrun"``, ``"a PMIx
-    launcher"`` or ``"a PMI launcher"`` (another launcher of those interfaces), or
-    ``None`` (started alone; a batch script's own shell is alone too).
+    launcher"`` or ``"a PMI launcher"`` (another launcher of those interfaces), ``"a
+    launcher that sets WORLD_SIZE (Lightning's)"`` (``WORLD_SIZE`` and none of the above,
+    as Lightning's ``Trainer(strategy="ddp")`` starts its processes), or ``None``
+    (started alone; a batch script's own shell is alone too).
     """
     return _detect(os.environ if env is None else env)[0]
 

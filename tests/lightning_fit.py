@@ -4,8 +4,9 @@ for ``tests/test_lightning.py``; each rank trains on its half of every global ba
     python tests/lightning_fit.py OUT                   # Lightning's DDP starts rank 1
     mpirun -np 2 python tests/lightning_fit.py OUT mpi  # mpirun starts both; comm="mpi"
 
-Rank r writes ``OUT/rank{r}.pt``: the model's ``state_dict`` after ``fit``, and the BN
-classes seen in training and after ``fit``; rank 0 also a checkpoint in ``OUT/ckpt``.
+Rank r writes ``OUT/rank{r}.pt``: the model's ``state_dict`` after ``fit``, the BN
+classes seen in training and after ``fit``, and the launch :mod:`hvd_syncbn.launchers`
+sees; rank 0 also a checkpoint in ``OUT/ckpt``.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import torch  # noqa: E402
 from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 from torch import nn  # noqa: E402
 
+from hvd_syncbn import launchers  # noqa: E402
 from hvd_syncbn.lightning import SyncBatchNormPlugin  # noqa: E402
 
 STEPS, ROWS, LR, WORLD = 3, 4, 0.1, 2  # ROWS per rank and step
@@ -51,9 +53,11 @@ class Module(L.LightningModule):
         super().__init__()
         self.net = net()
         self.seen: set = set()
+        self.launch = None
 
     def training_step(self, batch, index):
         self.seen.update(norm_classes(self.net))
+        self.launch = (launchers.launcher(), launchers.world_size())  # during fit (Lightning unsets it after)
         x, y = batch
         return nn.functional.mse_loss(self.net(x), y)  # DDP averages: the global batch's mean loss
 
@@ -73,8 +77,8 @@ def main(out: Path, comm: str) -> None:
                         enable_progress_bar=False, enable_model_summary=False, default_root_dir=out,
                         callbacks=[ModelCheckpoint(dirpath=out / "ckpt")])
     trainer.fit(module)
-    torch.save({"state": module.net.state_dict(), "during": sorted(module.seen), "after": norm_classes(module.net)},
-               out / f"rank{trainer.global_rank}.pt")
+    torch.save({"state": module.net.state_dict(), "during": sorted(module.seen), "after": norm_classes(module.net),
+                "launch": module.launch}, out / f"rank{trainer.global_rank}.pt")
 
 
 if __name__ == "__main__":

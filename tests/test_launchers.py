@@ -51,6 +51,21 @@ def test_alone_and_defaults():
     assert launchers.launcher() == launchers.launcher(dict(__import__("os").environ))
 
 
+def test_a_bare_world_size_is_a_launch_and_other_launchers_come_first():
+    """Lightning's own launcher sets WORLD_SIZE (and LOCAL_RANK, NODE_RANK, MASTER_*) in its
+    processes; a WORLD_SIZE exported for torch's env:// under another launcher is that
+    launcher's (tests/test_lightning.py records what real Lightning ranks see)."""
+    lightning = {"WORLD_SIZE": "2", "LOCAL_RANK": "1", "NODE_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+                 "MASTER_PORT": "29500"}
+    assert (launchers.launcher(lightning), launchers.world_size(lightning)) == (launchers.WORLD_SIZE_LAUNCHER, 2)
+    for outer in ("srun-pmix", "salloc-mpirun"):
+        env = {**RECORDED[outer]["env"], "WORLD_SIZE": "99"}
+        assert (launchers.launcher(env), launchers.world_size(env)) == (RECORDED[outer]["launcher"],
+                                                                        RECORDED[outer]["size"])
+    with pytest.raises(ValueError, match=r"expected WORLD_SIZE to be a positive integer, got '0'"):
+        launchers.world_size({"WORLD_SIZE": "0"})
+
+
 def test_a_bad_size_says_which_variable():
     env = {**RECORDED["srun-pmix"]["env"]}
     env.pop("SLURM_STEP_NUM_TASKS")

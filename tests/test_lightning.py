@@ -18,6 +18,7 @@ pytest.importorskip("lightning", reason="bash launch/test.sh installs Lightning"
 from torch import nn  # noqa: E402
 
 import lightning_fit as fit  # noqa: E402
+from hvd_syncbn import launchers  # noqa: E402
 from launching import ROOT, clean_env, launch_command  # noqa: E402
 
 pytestmark = pytest.mark.ranks
@@ -53,6 +54,8 @@ def test_fit_at_2_ranks_equals_one_process_on_the_concatenated_batch(launch, ref
         result = torch.load(tmp_path / f"rank{rank}.pt")
         assert result["during"] == ["SyncBatchNorm"], f"rank {rank} trained with {result['during']}"
         assert result["after"] == ["BatchNorm2d", "BatchNorm1d"], f"rank {rank} after fit: {result['after']}"
+        launcher = launchers.WORLD_SIZE_LAUNCHER if launch == "ddp" else "mpirun (Open MPI)"
+        assert result["launch"] == (launcher, 2), f"rank {rank} saw the launch as {result['launch']}"
         assert_states_equal(result["state"], reference, f"rank {rank} after fit under {launch}")
 
     # The checkpoint saved during fit (converted layers) loads into the plain model, strictly.
