@@ -29,6 +29,7 @@ moments must be those of :func:`local_moments`.
 
 from __future__ import annotations
 
+import os
 from typing import Any, Callable, NamedTuple, Optional, Protocol, Sequence, Tuple
 
 import numpy as np
@@ -415,6 +416,19 @@ def check_args(layer: str, eps: Any, momentum: Any, eps_name: str = "eps", momen
     if momentum is None or not 0.0 <= float(momentum) <= 1.0:
         allowed = "[0, 1] or None" if momentum_none else "[0, 1]"
         raise ValueError(f"{layer}: expected momentum in {allowed}, got {momentum!r}")
+
+
+STATS_ENV = "HVD_SYNCBN_STATS"
+
+
+def stats_choice(what: str, stats: Optional[str]) -> str:
+    """A layer's ``stats`` (where its statistics live between the passes: ``"host"``,
+    ``"device"`` or ``"auto"``), else ``$HVD_SYNCBN_STATS``, else ``"auto"``, checked."""
+    value = stats if stats is not None else os.environ.get(STATS_ENV, "auto")
+    if value not in ("auto", "host", "device"):
+        where = "stats" if stats is not None else f"${STATS_ENV}"
+        raise ValueError(f"{what}: expected {where} to be 'auto', 'host' or 'device', got {value!r}")
+    return value
 
 
 def single_row_message(layer: str) -> str:

@@ -205,6 +205,11 @@ def header(call: Call, world: int) -> List[float]:
     return [h, h * h]
 
 
+def static_header(layer: str, direction: str, channels: int, ndim: int, dtype: str, world: int) -> List[float]:
+    """The static ``[h, h²]`` of a collective traced once (a graph op: no step count)."""
+    return header(Call(layer, direction, 0, channels, ndim, dtype), world)
+
+
 def make_call(comm: Communicator, layer: str, direction: str, channels: int, ndim: int, dtype: str) -> Call:
     """This rank's identity of ``layer``'s next collective in ``direction`` over ``comm``;
     its ``step`` counts this process's earlier calls of that collective on ``comm``."""

@@ -20,9 +20,10 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
+from hvd_syncbn.comm import SyncBatchNormError  # noqa: E402
 from hvd_syncbn.tensorflow import (  # noqa: E402
-    BroadcastGlobalVariablesCallback, DistributedOptimizer, MetricAverageCallback, SyncBatchNormalization,
-    convert_sync_batchnorm, sync_batch_normalization,
+    BroadcastGlobalVariablesCallback, CheckSyncBatchNorm, DistributedOptimizer, MetricAverageCallback,
+    SyncBatchNormalization, check, convert_sync_batchnorm, sync_batch_normalization,
 )
 from keras_models import small_model  # noqa: E402
 from oracle import (  # noqa: E402
@@ -75,13 +76,13 @@ class MultiAxisBN(keras.layers.Layer):
         return y * tf.reshape(self.gamma, bshape) + tf.reshape(self.beta, bshape)
 
 
-def make_pair(tail, axis=-1, oracle_dtype="float64", **kwargs):
+def make_pair(tail, axis=-1, oracle_dtype="float64", stats=None, **kwargs):
     if isinstance(axis, list):
         plain = MultiAxisBN([a % (len(tail) + 1) for a in axis], kwargs.get("momentum", 0.99),
                             kwargs.get("epsilon", 1e-3), oracle_dtype)
     else:
         plain = keras.layers.BatchNormalization(axis=axis, **{"dtype": oracle_dtype, **kwargs})
-    sync = SyncBatchNormalization(axis=axis, **kwargs)
+    sync = SyncBatchNormalization(axis=axis, stats=stats, **kwargs)
     for layer in (plain, sync):
         layer.build((None, *tail))
         for name, lo, hi in (("gamma", 0.5, 1.5), ("beta", -0.3, 0.3)):
@@ -131,12 +132,16 @@ CASES = {
 }
 
 
+@pytest.mark.parametrize("stats", ["host", "device"])
 @pytest.mark.parametrize("case", CASES, ids=list(CASES))
-def test_matches_keras_bn_on_global_batch(case):
+def test_matches_keras_bn_on_global_batch(case, stats):
+    """On both paths of the statistics; the device path's deferred checks stay clear."""
     c = CASES[case]
-    sync, plain = make_pair(c["tail"], c.get("axis", -1), **c.get("kwargs", {}))
+    sync, plain = make_pair(c["tail"], c.get("axis", -1), stats=stats, **c.get("kwargs", {}))
     run_steps(sync, plain, c["tail"], c["pattern"], compiled=c.get("compiled", False), mask=c.get("mask", False),
               scale=c.get("scale", 1.0), grad_atol=c.get("grad_atol"))
+    assert sync._on_device() == (stats == "device")
+    check(sync)
 
 
 def test_mixed_float16_keeps_float32_statistics():
@@ -515,6 +520,73 @@ def test_single_global_row_raises_on_every_rank(compiled):
     with pytest.raises((ValueError, tf.errors.InvalidArgumentError), match="expected more than 1 value per channel"):
         call(tf.ones((1 if RANK == 0 else 0, 4)))
     assert_weights_unchanged(bn, before, "single global row")
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "tf-function"])
+def test_device_path_flags_a_single_global_row_and_keeps_moving_statistics(compiled):
+    bn = SyncBatchNormalization(name=f"bn_one_device_{int(compiled)}", stats="device")
+    bn.build((None, 4))
+    before = _weights(bn)
+    call = tf.function(lambda x: bn(x, training=True)) if compiled else (lambda x: bn(x, training=True))
+    call(tf.ones((1 if RANK == 0 else 0, 4)))  # no error yet: the device path defers it
+    assert_weights_unchanged(bn, before, "single global row")
+    with pytest.raises(ValueError, match=f"bn_one_device_{int(compiled)}: expected more than 1 value per channel"):
+        check(bn)
+    check(bn)  # raised once, then cleared
+
+
+def test_device_path_mismatch_is_nan_then_an_error_naming_the_layer():
+    """Rank 0 feeds the layer 2D input, the others 3D (3 channels on every rank, so the
+    buffers are alike): the summed header does not add up, so every rank's output is
+    NaN, its moving statistics stay, and :func:`check` raises SyncBatchNormError naming
+    the layer. Alone, nothing mismatches."""
+    tail = (3,) if RANK == 0 else (2, 3)
+    bn = SyncBatchNormalization(name="bn_mixed", stats="device")
+    bn.build((None, *tail))
+    before = _weights(bn)
+    y = tf.function(lambda t: bn(t, training=True))(tf.constant(global_batch(60 + RANK, 4, tail)))
+    if WORLD == 1:
+        assert np.isfinite(y.numpy()).all()
+        check(bn)
+        return
+    assert np.isnan(y.numpy()).all(), y
+    assert_weights_unchanged(bn, before, "mismatched collective")
+    with pytest.raises(SyncBatchNormError, match="bn_mixed: ranks summed different collectives"):
+        check(bn)
+
+
+def test_device_path_has_no_host_hop_in_a_traced_step():
+    """A traced training step of a converted model: no PyFunc on the device path, one per
+    layer and direction on the host path (which the count must see, or it counts nothing)."""
+    def py_funcs(stats):
+        model = convert_sync_batchnorm(small_model(), stats=stats)
+        x = tf.constant(global_batch(61, 2, (8, 8, 3)))
+
+        @tf.function
+        def step(t):
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_sum(model(t, training=True))
+            return tape.gradient(loss, model.trainable_weights)
+
+        graph = step.get_concrete_function(x).graph
+        ops = [op for f in [graph, *graph._functions.values()] for op in getattr(f, "get_operations", lambda: [])()]
+        ops += [node for f in graph.as_graph_def().library.function for node in f.node_def]
+        return sum(getattr(op, "type", getattr(op, "op", None)) in ("PyFunc", "EagerPyFunc") for op in ops)
+
+    assert py_funcs("device") == 0
+    assert py_funcs("host") == (4 if WORLD > 1 else 0)  # 2 layers, forward and backward; none alone
+
+
+def test_check_callback_raises_during_fit():
+    """NaN in rank 0's batch with check_finite: every rank's CheckSyncBatchNorm raises
+    after the batch, naming the first layer."""
+    model = convert_sync_batchnorm(small_model(), stats="device", check_finite=True)
+    model.compile(optimizer=DistributedOptimizer(keras.optimizers.SGD(0.01)), loss="mse")
+    x, y = global_batch(62, 2, (8, 8, 3)), global_batch(63, 2, (4,))
+    if RANK == 0:
+        x[0, 0, 0, 0] = np.nan
+    with pytest.raises(ValueError, match=r"stem_bn: expected finite inputs \(check_finite=True\)"):
+        model.fit(x, y, batch_size=2, verbose=0, callbacks=[CheckSyncBatchNorm()])
 
 
 def test_nan_input_follows_keras_or_raises_with_check_finite():

@@ -12,7 +12,10 @@ import tensorflow as tf
 from hvd_syncbn import backend
 from hvd_syncbn.comm import Communicator, make_call, poison
 from hvd_syncbn.tensorflow import transports
-from hvd_syncbn.tensorflow.functional import _ops, _per_channel, _scale_shift, _split_axes, _sync_normalize
+from hvd_syncbn.tensorflow.device import DeferredChecks, GraphReducer
+from hvd_syncbn.tensorflow.functional import (
+    GraphChecks, _ops, _per_channel, _scale_shift, _split_axes, _sync_normalize, channel_count, host_reduce,
+)
 
 
 @keras.saving.register_keras_serializable(package="hvd_syncbn")
@@ -28,10 +31,17 @@ class SyncBatchNormalization(keras.layers.BatchNormalization):
     does; an empty one leaves the moving statistics alone. Moving statistics follow Keras:
     ``moving = moving·momentum + batch·(1 − momentum)``, with the biased variance.
 
-    The statistics cross ranks on the host, which XLA cannot compile: the layer sets
-    ``supports_jit = False``, so Keras's default ``jit_compile="auto"`` (XLA where a GPU
-    is listed) trains without XLA, and inside a ``tf.function(jit_compile=True)`` it
-    raises ``ValueError`` saying to pass ``jit_compile=False``.
+    The statistics take one of two paths (``stats``). On the host path they cross ranks
+    through ``tf.numpy_function`` with the transport's deadline and diagnosis. On the
+    device path they stay TF tensors on the input's device and Horovod's graph op sums
+    them (NCCL where Horovod has GPU support): no host hop in the step; its checks are
+    deferred flags that :func:`~hvd_syncbn.tensorflow.check` or the
+    :class:`~hvd_syncbn.tensorflow.CheckSyncBatchNorm` callback raises, naming the
+    layers, and a flagged step leaves the moving statistics alone. Neither path runs
+    inside XLA: the layer sets ``supports_jit = False``, so Keras's default
+    ``jit_compile="auto"`` (XLA where a GPU is listed) trains without XLA, and inside a
+    ``tf.function(jit_compile=True)`` it raises ``ValueError`` saying to pass
+    ``jit_compile=False``.
 
     Args:
         axis: the channel axis, or a list of axes (their sizes form the channels).
@@ -60,6 +70,9 @@ class SyncBatchNormalization(keras.layers.BatchNormalization):
         check_finite: raise (before any update) when the global statistics are not
             finite, i.e. NaN/Inf in some rank's input. Default: ``False``: NaN/Inf
             propagate as in ``keras.layers.BatchNormalization``.
+        stats: ``"host"``, ``"device"`` (needs ``hvd.init()``) or ``"auto"``: the device
+            on a machine with a GPU (outside ``tf.distribute`` replicas), else the host.
+            Default: ``$HVD_SYNCBN_STATS``, else ``"auto"``.
         **kwargs: base layer arguments (``name``, ``dtype``, ...). ``name`` also names
             the layer's collectives and must be the same on every rank.
 
@@ -75,7 +88,7 @@ class SyncBatchNormalization(keras.layers.BatchNormalization):
     """
 
     def __init__(self, axis=-1, momentum=0.99, epsilon=1e-3, *args, synchronized=True,
-                 process_set=None, comm=None, check_finite=False, fused=None, **kwargs):
+                 process_set=None, comm=None, check_finite=False, fused=None, stats=None, **kwargs):
         axes = [axis] if isinstance(axis, int) else [int(a) for a in axis]
         if not axes:
             raise ValueError(f"SyncBatchNormalization: expected an axis or a non-empty list of axes, got {axis!r}")
@@ -85,6 +98,7 @@ class SyncBatchNormalization(keras.layers.BatchNormalization):
         self.process_set = process_set
         self.comm = comm
         self.check_finite = bool(check_finite)
+        self.stats = backend.stats_choice("SyncBatchNormalization", stats)
         transports.REGISTRY.requested(comm, "SyncBatchNormalization")
         # The statistics cross on the host, which XLA cannot compile: Keras's default
         # jit_compile="auto" (XLA where a GPU is listed) then resolves to False.
@@ -118,6 +132,8 @@ class SyncBatchNormalization(keras.layers.BatchNormalization):
                                                         autocast=False))
         # Checked in call() instead, so that a bad input on one rank fails every rank.
         self.input_spec = None
+        with tf.init_scope():  # the device path's deferred flags (hvd_syncbn.deferred.FLAGS); not a weight
+            self._sync_errors = tf.Variable(tf.zeros([3], tf.int32), trainable=False, name="sync_errors")
         self._ndim, self._channels = ndim, {a: input_shape[a] for a in channel_axes}
         self._channel_axes = channel_axes
 
@@ -162,19 +178,48 @@ class SyncBatchNormalization(keras.layers.BatchNormalization):
         # as Keras's own layer does: the fused kernels take no half statistics.
         gamma, beta = (None if w is None else tf.cast(w, x.dtype) for w in (self.gamma, self.beta))
         if sync:
+            reduce, checks = self._reduce_and_checks(x)
             (y,), mean, var, total = _sync_normalize(
-                [x], gamma, beta, axes, self.epsilon, self.name, self.process_set, mask, self.comm,
-                self.check_finite, self._renorm_correction if self.renorm else None,
+                [x], gamma, beta, axes, self.epsilon, self.name, reduce, checks, mask, self.check_finite,
+                self._renorm_correction if self.renorm else None,
             )
+            updated = total[0] > 0
+            if isinstance(checks, DeferredChecks):  # a flagged step leaves the moving statistics alone
+                errors = checks.stacked()
+                self._sync_errors.assign(tf.maximum(self._sync_errors, tf.cast(errors, tf.int32)))
+                updated = tf.logical_and(updated, tf.logical_not(tf.reduce_any(errors)))
             # Renorm's updates wait for the output: in a tf.function, its reads of renorm_mean
             # and renorm_stddev (inside the custom gradient) are not otherwise ordered first.
             with tf.control_dependencies([y] if self.renorm else []):
-                self._update_moving(mean, var, total[0] > 0)
+                self._update_moving(mean, var, updated)
         else:  # multi-axis inference
             mean, var = (tf.cast(v, x.dtype) for v in (self.moving_mean, self.moving_variance))
             xhat = (x - _per_channel(mean, x, axes)) * _per_channel(tf.math.rsqrt(var + self.epsilon), x, axes)
             y = _scale_shift(xhat, gamma, beta, axes)
         return tf.cast(y, self.compute_dtype)
+
+    def _reduce_and_checks(self, x: tf.Tensor):
+        """``(reduce, checks)`` of this call: the device path's graph op and deferred
+        flags, or the host path's (see ``stats``)."""
+        axes = self._reduction_axes
+        if not self._on_device():
+            return host_reduce(self.name, x, axes, self.process_set, self.comm), GraphChecks()
+        comm = transports.resolve(self.comm, self.process_set, self.name)
+        if comm is None:  # alone
+            return (lambda buf, direction: buf), DeferredChecks()
+        return GraphReducer(comm, self.process_set, self.name, channel_count(x, axes), len(x.shape),
+                            x.dtype.name, self._sync_errors), DeferredChecks()
+
+    def _on_device(self) -> bool:
+        """Whether this call takes the device path: ``stats="device"``, or ``"auto"`` on a
+        machine with a GPU (outside ``tf.distribute`` replicas, which the host path merges)."""
+        ctx = tf.distribute.get_replica_context()
+        replicas = ctx is not None and ctx.num_replicas_in_sync > 1
+        if self.stats == "device" and replicas:
+            raise ValueError(f"{self.name}: stats='device' does not run inside tf.distribute replicas (got "
+                             f"{ctx.num_replicas_in_sync}); use stats='host' or 'auto' there")
+        return self.stats == "device" or (self.stats == "auto" and not replicas
+                                          and bool(tf.config.list_logical_devices("GPU")))
 
     def _renorm_correction(self, mean: tf.Tensor, var: tf.Tensor) -> Tuple[tf.Tensor, tf.Tensor]:
         """Batch renormalization's ``(r, d)`` from the global statistics, by Keras's own
@@ -206,5 +251,7 @@ class SyncBatchNormalization(keras.layers.BatchNormalization):
         config["process_set"] = ps.ranks if hasattr(ps, "ranks") else ps
         config["comm"] = None if isinstance(self.comm, Communicator) else self.comm
         config["check_finite"] = self.check_finite
+        config["stats"] = self.stats
         config["synchronized"] = True  # whatever was passed: this layer always synchronizes
         return config
+

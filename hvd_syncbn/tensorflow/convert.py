@@ -6,6 +6,9 @@ from typing import Any, Mapping, Optional
 
 import keras
 
+from hvd_syncbn import backend
+
+from . import transports
 from .batchnorm import SyncBatchNormalization
 
 
@@ -14,7 +17,8 @@ class _UnknownSubclass(ValueError):
 
 
 def convert_sync_batchnorm(model: keras.Model, process_set: Any = None, *,
-                           classes: Optional[Mapping[type, type]] = None) -> keras.Model:
+                           classes: Optional[Mapping[type, type]] = None, comm: Optional[str] = None,
+                           check_finite: bool = False, stats: Optional[str] = None) -> keras.Model:
     """A copy of ``model`` with every ``keras.layers.BatchNormalization`` synchronised.
 
     Nested models are converted too; every weight (BN moving statistics, and renorm's,
@@ -31,6 +35,8 @@ def convert_sync_batchnorm(model: keras.Model, process_set: Any = None, *,
         classes: more conversions, ``{BatchNormalization subclass: SyncBatchNormalization
             subclass}``; the new layer is made ``from_config`` of the old one's config.
             Default: none.
+        comm, check_finite, stats: for every new layer, as in
+            :class:`~hvd_syncbn.tensorflow.SyncBatchNormalization`.
 
     Returns:
         A new model; ``model`` itself is left as it was.
@@ -51,6 +57,9 @@ def convert_sync_batchnorm(model: keras.Model, process_set: Any = None, *,
             raise TypeError("convert_sync_batchnorm: expected classes to map BatchNormalization subclasses to "
                             f"SyncBatchNormalization subclasses, got {plain!r}: {sync!r}")
 
+    backend.stats_choice("convert_sync_batchnorm", stats)  # checked here too: a model may have no BN layer
+    transports.REGISTRY.requested(comm, "convert_sync_batchnorm")
+
     def clone(layer):
         config = layer.get_config()
         bn = isinstance(layer, keras.layers.BatchNormalization) and not isinstance(layer, SyncBatchNormalization)
@@ -62,7 +71,8 @@ def convert_sync_batchnorm(model: keras.Model, process_set: Any = None, *,
                 "SyncCls}} with SyncCls a SyncBatchNormalization subclass that computes what it does")
         if bn:
             config.pop("synchronized", None)
-            return known[type(layer)].from_config({**config, "process_set": process_set})
+            return known[type(layer)].from_config({**config, "process_set": process_set, "comm": comm,
+                                                   "check_finite": check_finite, "stats": stats})
         return layer.__class__.from_config(config)
 
     try:

@@ -281,6 +281,19 @@ class GraphChecks:
             return [tf.identity(v) for v in values]
 
 
+def channel_count(x: tf.Tensor, axes: Sequence[int]) -> int:
+    """The number of channels of ``x`` (the product of its sizes off the reduction ``axes``)."""
+    return int(np.prod([d or -1 for a, d in enumerate(x.shape) if a not in axes]))
+
+
+def host_reduce(name: str, x: tf.Tensor, axes: Sequence[int], process_set: Any, comm: Any) -> backend.AllreduceSum:
+    """The host path's summing allreduce for the statistics of ``x`` (``tf.numpy_function``
+    over the transport ``comm`` resolves to, with the deadline, header and diagnosis of
+    :mod:`hvd_syncbn.comm`); refused inside XLA."""
+    transports.refuse_xla(f"SyncBatchNormalization {name!r}")
+    return _allreduce_sum(transports.resolve(comm, process_set, name), name, x, channel_count(x, axes))
+
+
 def _kernels(xs: Sequence[tf.Tensor], axes: Sequence[int], eps: float, weight: Optional[tf.Tensor]):
     layout = _fused_layout(xs[0], axes) if weight is None else None
     return FusedKernels(axes, eps, layout) if layout else CompositeKernels(axes, eps, weight)
@@ -307,9 +320,9 @@ def _sync_normalize(
     axes: Sequence[int],
     epsilon: float,
     name: str,
-    process_set: Any = None,
+    reduce: backend.AllreduceSum,
+    checks: backend.Checks,
     mask: Optional[tf.Tensor] = None,
-    comm: Optional[str] = None,
     check_finite: bool = False,
     renorm: Optional[Callable[[tf.Tensor, tf.Tensor], Tuple[tf.Tensor, tf.Tensor]]] = None,
 ) -> Tuple[list, tf.Tensor, tf.Tensor, tf.Tensor]:
@@ -318,6 +331,9 @@ def _sync_normalize(
     gradient (:func:`hvd_syncbn.backend.backward`). The parts' buffers are summed
     in-process, then one allreduce per direction crosses the ranks.
 
+    ``reduce`` and ``checks``: the path's summing allreduce and check policy, the host's
+    (:func:`host_reduce`, :class:`GraphChecks`) or the device's
+    (:class:`~hvd_syncbn.tensorflow.device.GraphReducer`, deferred checks).
     ``renorm(mean, variance) -> (r, d)``, given the global statistics, turns this into
     batch renormalization (:func:`_renorm_affine`).
 
@@ -329,14 +345,12 @@ def _sync_normalize(
         - gamma, beta: ``C`` elements in any shape; returned mean, variance: ``(C,)``.
         - mask: broadcastable to ``xs[0]`` (one part only); 0 leaves a position out of the statistics.
 
-    Raises (as ``InvalidArgumentError`` in graphs) on a global batch of one row and, with
-    ``check_finite``, on non-finite statistics, before anything downstream runs.
+    With :class:`GraphChecks`, raises (as ``InvalidArgumentError`` in graphs) on a global
+    batch of one row and, with ``check_finite``, on non-finite statistics, before
+    anything downstream runs.
     """
-    transports.refuse_xla(f"SyncBatchNormalization {name!r}")
-    channels = int(np.prod([d or -1 for a, d in enumerate(xs[0].shape) if a not in axes]))
-    reduce = _allreduce_sum(transports.resolve(comm, process_set, name), name, xs[0], channels)
     weight = None if mask is None else tf.cast(mask, xs[0].dtype)
-    step = backend.Step(_ops, _kernels(xs, axes, epsilon, weight), reduce, GraphChecks(), epsilon, name)
+    step = backend.Step(_ops, _kernels(xs, axes, epsilon, weight), reduce, checks, epsilon, name)
     parts = len(xs)
     params = [tf.reshape(t, [-1]) for t in (gamma, beta) if t is not None]
 
@@ -392,7 +406,8 @@ def sync_batch_normalization(x, offset, scale, variance_epsilon, axis=-1, name="
     """
     parts = list(x) if isinstance(x, (list, tuple)) else [x]
     _, axes = _split_axes(len(parts[0].shape), axis, name)
-    ys, mean, var, _ = _sync_normalize([tf.convert_to_tensor(p) for p in parts], scale, offset, axes,
-                                       variance_epsilon, name, process_set, comm=comm)
+    xs = [tf.convert_to_tensor(p) for p in parts]
+    ys, mean, var, _ = _sync_normalize(xs, scale, offset, axes, variance_epsilon, name,
+                                       host_reduce(name, xs[0], axes, process_set, comm), GraphChecks())
     mean, var = (tf.cast(v, ys[0].dtype) for v in (mean, var))
     return (ys if isinstance(x, (list, tuple)) else ys[0]), mean, var

@@ -6,7 +6,6 @@ A drop-in for ``nn.BatchNorm1d/2d/3d`` whose batch statistics cover every rank.
 from __future__ import annotations
 
 import itertools
-import os
 from typing import Any, NamedTuple, Optional
 
 import numpy as np
@@ -185,7 +184,7 @@ class SyncBatchNorm(_BatchNorm):
         self.layer_name = name or f"SyncBatchNorm_{next(_layer_ids)}"
         self.comm = comm
         self.check_finite = bool(check_finite)
-        self.stats = _stats_choice(stats)
+        self.stats = backend.stats_choice("SyncBatchNorm", stats)
         self._mean_guess: Optional[Tensor] = None  # last global batch mean (see kernels.host_moments)
         like = next((t for t in (self.weight, self.running_mean) if t is not None), None)
         self.register_buffer("_sync_errors", torch.zeros(3, dtype=torch.bool, device=None if like is None
@@ -311,18 +310,6 @@ def one_group(where: str, process_set: Any, process_group: Any) -> Any:
         raise ValueError(f"{where}: expected process_set or process_group (torch's name for the same argument), "
                          f"got both; drop one of them")
     return process_set if process_set is not None else process_group
-
-
-STATS_ENV = "HVD_SYNCBN_STATS"
-
-
-def _stats_choice(stats: Optional[str]) -> str:
-    """``stats``, else ``$HVD_SYNCBN_STATS``, else ``"auto"``, checked."""
-    value = stats if stats is not None else os.environ.get(STATS_ENV, "auto")
-    if value not in ("auto", "host", "device"):
-        where = "stats" if stats is not None else f"${STATS_ENV}"
-        raise ValueError(f"SyncBatchNorm: expected {where} to be 'auto', 'host' or 'device', got {value!r}")
-    return value
 
 
 def _check_args(num_features: Any, eps: Any, momentum: Any) -> None:

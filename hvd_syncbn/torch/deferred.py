@@ -17,11 +17,8 @@ from typing import Sequence
 import torch
 from torch import Tensor, nn
 
-from hvd_syncbn import backend
-from hvd_syncbn.comm import SyncBatchNormError, env_flag
-
-FLAGS = ("mismatch", "single_row", "non_finite")
-"""The flags of a layer's ``_sync_errors``, in order."""
+from hvd_syncbn.comm import env_flag
+from hvd_syncbn.deferred import FLAGS, messages, raise_seen
 
 
 class DeferredChecks:
@@ -67,12 +64,6 @@ def record(name: str, seen: Tensor, errors: Tensor) -> None:
         seen |= errors.to(seen.device)
 
 
-def messages(name: str) -> tuple:
-    """What each flag of ``_sync_errors`` means, for layer ``name``."""
-    return (f"{name}: ranks summed different collectives (they disagree on the SyncBN layers, their order, "
-            f"channel count, input rank or dtype)", backend.single_row_message(name), backend.non_finite_message(name))
-
-
 def check(module: nn.Module) -> None:
     """Raise the device path's deferred errors of ``module``'s SyncBN layers (one host
     read), naming each layer and what it saw since the last check, and clear them.
@@ -88,12 +79,4 @@ def check(module: nn.Module) -> None:
     seen = torch.stack([m._sync_errors.to(first) for m in layers]).cpu().numpy()  # (layers, flags)
     for m in layers:
         m._sync_errors.zero_()
-    problems = []
-    for m, row in zip(layers, seen):
-        problems += [text for text, bad in zip(messages(m.layer_name), row) if bad]
-    if not problems:
-        return
-    message = "SyncBatchNorm (device path): " + "; ".join(problems)
-    if seen[:, FLAGS.index("mismatch")].any():
-        raise SyncBatchNormError(message)
-    raise ValueError(message)
+    raise_seen("SyncBatchNorm (device path)", [(m.layer_name, row) for m, row in zip(layers, seen)])

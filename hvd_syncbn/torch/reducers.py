@@ -25,8 +25,12 @@ import torch.distributed._functional_collectives as funcol
 from torch import Tensor
 
 from hvd_syncbn.comm import (
-    Call, Communicator, HEADER, Join, SyncBatchNormInputError, allreduce, compile_timeout, get_timeout, header, make_call, poison, prepend,
+    Call, Communicator, HEADER, Join, SyncBatchNormInputError, allreduce, compile_timeout, get_timeout, make_call, poison, prepend,
+    static_header,
 )
+
+# A constant to Dynamo, which cannot trace the header's crc32.
+_traced_header = torch.compiler.assume_constant_result(static_header)
 
 
 class Identity(NamedTuple):
@@ -138,11 +142,6 @@ class OpReducer(HostReducer):
 
 
 @torch.compiler.assume_constant_result
-def static_header(layer: str, direction: str, channels: int, ndim: int, dtype: str, world: int) -> List[float]:
-    """The static ``[h, h²]`` of a functional collective (no step: it is traced once)."""
-    return header(Call(layer, direction, 0, channels, ndim, dtype), world)
-
-
 class GroupReducer:
     """Device tensors over a ``torch.distributed`` group, by a functional collective; a
     summed header that does not match makes the whole buffer NaN."""
@@ -152,7 +151,7 @@ class GroupReducer:
 
     def __call__(self, buf: Tensor, direction: str) -> Tensor:
         layer, channels, ndim, dtype = self.identity
-        head = static_header(layer, direction, channels, ndim, dtype, self.comm.size)
+        head = _traced_header(layer, direction, channels, ndim, dtype, self.comm.size)
         out = funcol.wait_tensor(funcol.all_reduce(torch.cat([buf.new_tensor(head), buf]), "sum", self.comm.group))
         mixed = (out[0] != self.comm.size * head[0]) | (out[1] != self.comm.size * head[1])
         return torch.where(mixed, torch.nan, out[HEADER:])

@@ -125,8 +125,9 @@ def test_no_warning_where_local_statistics_are_what_was_asked(launched, case):
         bn.eval()
     elif case == "world of one":
         launched.setenv("WORLD_SIZE", "1")
-    elif case == "no launcher":
+    elif case == "no launcher":  # (a bare WORLD_SIZE is a launch too: Lightning's)
         launched.delenv("TORCHELASTIC_RUN_ID")
+        launched.delenv("WORLD_SIZE")
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         if case == "a transport":

@@ -1,0 +1,42 @@
+"""The device paths' deferred checks, framework-free: what each flag means, and the error.
+
+On a device path (statistics as tensors on the input's device, traced by
+``torch.compile`` or XLA) a check that would need a host read sets a flag in the layer
+instead: ranks that summed different collectives (the buffer comes back NaN), a global
+batch of one row, non-finite statistics under ``check_finite``. The moving statistics
+are left alone on such a step. Each framework's ``check`` reads the flags of a model's
+layers at once and raises them by :func:`raise_seen`.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence, Tuple
+
+from hvd_syncbn import backend
+from hvd_syncbn.comm import SyncBatchNormError
+
+FLAGS = ("mismatch", "single_row", "non_finite")
+"""A layer's flags, in order."""
+
+
+def messages(layer: str) -> Tuple[str, str, str]:
+    """What each of :data:`FLAGS` means, for ``layer``."""
+    return (f"{layer}: ranks summed different collectives (they disagree on the SyncBN layers, their order, "
+            f"channel count, input rank or dtype)", backend.single_row_message(layer), backend.non_finite_message(layer))
+
+
+def raise_seen(path: str, seen: Sequence[Tuple[str, Sequence[bool]]]) -> None:
+    """Raise what the layers have ``seen``, ``(layer name, flags)`` each, naming every
+    layer and flag; nothing if no flag is set. ``path`` heads the message.
+
+    Raises:
+        SyncBatchNormError: ranks summed different collectives.
+        ValueError: a global batch of one row, or non-finite statistics with ``check_finite``.
+    """
+    problems = [text for name, row in seen for text, bad in zip(messages(name), row) if bad]
+    if not problems:
+        return
+    message = f"{path}: " + "; ".join(problems)
+    if any(row[FLAGS.index("mismatch")] for _, row in seen):
+        raise SyncBatchNormError(message)
+    raise ValueError(message)

@@ -1,0 +1,121 @@
+"""The Keras layer's device path: the statistics stay TF tensors on the input's device,
+the collective is a graph op, the checks are deferred flags; no host hop in the step.
+
+The buffers are summed by Horovod's allreduce (NCCL where Horovod has GPU support).
+Each carries a static identity header (:func:`hvd_syncbn.comm.static_header`): where the
+ranks summed different collectives the buffer comes back NaN, which the checks read as
+the mismatch flag. The flags (:mod:`hvd_syncbn.deferred`) accumulate in each layer's
+``_sync_errors`` variable; :func:`check` and :class:`CheckSyncBatchNorm` raise them.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterator, Sequence
+
+import keras
+import tensorflow as tf
+
+from hvd_syncbn.comm import HEADER, Communicator, static_header
+from hvd_syncbn.deferred import FLAGS, raise_seen
+from hvd_syncbn.tensorflow import transports
+
+
+class DeferredChecks:
+    """:class:`hvd_syncbn.backend.Checks` that record flags as boolean tensors; a NaN
+    global count marks a mismatched collective (:class:`GraphReducer`)."""
+
+    def __init__(self) -> None:
+        self.flags: dict = {}
+
+    def require(self, ok: tf.Tensor, check: str, message: str) -> None:
+        self.flags[check] = tf.logical_not(ok)
+
+    def after(self, values: Sequence[tf.Tensor]) -> Sequence[tf.Tensor]:
+        self.flags["mismatch"] = tf.math.is_nan(values[0][0])
+        return values
+
+    def stacked(self) -> tf.Tensor:
+        """The flags in the order of :data:`~hvd_syncbn.deferred.FLAGS` (false where a check did not run)."""
+        return tf.stack([tf.reshape(self.flags.get(name, False), []) for name in FLAGS])
+
+
+class GraphReducer:
+    """Sums a float64 buffer over the ranks of ``comm``'s group by Horovod's graph op,
+    behind a static header; a header that does not sum up makes the buffer NaN and sets
+    the mismatch flag in ``errors`` (the layer's ``_sync_errors``), in either direction.
+
+    A rank whose shard is statically empty has a constant buffer, and Grappler folds
+    constants through Horovod's op (it is not stateful): the collective would run while
+    the graph is optimized, not in the step. The header therefore takes a read of
+    ``errors`` (times zero), which no optimizer folds; and recording the flag keeps the
+    backward collective, whose result such a rank otherwise only needs for an empty
+    input gradient, in the step."""
+
+    def __init__(self, comm: Communicator, process_set: Any, layer: str, channels: int, ndim: int, dtype: str,
+                 errors: tf.Variable) -> None:
+        self.hvd = transports.horovod(f"{layer}: the device path (stats='device')")
+        if not self.hvd.is_initialized():
+            raise RuntimeError(f"{layer}: the device path (stats='device') sums with Horovod's graph op; call "
+                               "hvd.init() first, or use stats='host'")
+        self.size = comm.size
+        self.process_set = getattr(comm, "ps", None) or transports.resolve_process_set(process_set)
+        self.identity, self.errors = (layer, channels, ndim, dtype), errors
+
+    def __call__(self, buf: tf.Tensor, direction: str) -> tf.Tensor:
+        layer = self.identity[0]
+        head = static_header(layer, direction, *self.identity[1:], self.size)
+        unfoldable = tf.cast(self.errors[0], tf.float64) * 0.0
+        full = tf.concat([tf.constant(head, tf.float64) + unfoldable, tf.cast(buf, tf.float64)], 0)
+        out = self.hvd.allreduce(full, op=self.hvd.Sum, name=f"hvd_syncbn.{layer}.{direction}",
+                                 process_set=self.process_set)
+        mixed = tf.logical_or(out[0] != self.size * head[0], out[1] != self.size * head[1])
+        flag = tf.cast(tf.stack([mixed] + [False] * (len(FLAGS) - 1)), self.errors.dtype)
+        with tf.control_dependencies([self.errors.assign(tf.maximum(self.errors, flag))]):
+            return tf.where(mixed, tf.constant(float("nan"), tf.float64), out[HEADER:])
+
+
+def _sync_layers(model: keras.layers.Layer) -> Iterator[keras.layers.Layer]:
+    """The layers of ``model`` (itself included, nested ones too) that record flags."""
+    for layer in model._flatten_layers(include_self=True, recursive=True):
+        if getattr(layer, "_sync_errors", None) is not None:
+            yield layer
+
+
+def check(model: keras.layers.Layer) -> None:
+    """Raise the device path's deferred errors of ``model``'s SyncBatchNormalization
+    layers (one host read), naming each layer and what it saw since the last check, and
+    clear them.
+
+    Raises:
+        SyncBatchNormError: ranks summed different collectives.
+        ValueError: a global batch of one row, or non-finite statistics with ``check_finite``.
+    """
+    layers = list(_sync_layers(model))
+    seen = [(layer.name, layer._sync_errors.numpy().astype(bool)) for layer in layers]
+    for layer in layers:
+        layer._sync_errors.assign(tf.zeros_like(layer._sync_errors))
+    raise_seen("SyncBatchNormalization (device path)", seen)
+
+
+class CheckSyncBatchNorm(keras.callbacks.Callback):
+    """Raises the device path's deferred errors (:func:`check`) during ``fit``: after
+    every ``every_n_batches`` training batches and at the end of each epoch. A check
+    reads a few flags from the device: one small sync per check.
+
+    Args:
+        every_n_batches: how often to check within an epoch. Default: 1 (every batch).
+    """
+
+    def __init__(self, every_n_batches: int = 1) -> None:
+        super().__init__()
+        if not isinstance(every_n_batches, int) or every_n_batches < 1:
+            raise ValueError(f"CheckSyncBatchNorm: expected every_n_batches to be a positive int, "
+                             f"got {every_n_batches!r}")
+        self.every_n_batches = every_n_batches
+
+    def on_train_batch_end(self, batch, logs=None):
+        if (batch + 1) % self.every_n_batches == 0:
+            check(self.model)
+
+    def on_epoch_end(self, epoch, logs=None):
+        check(self.model)
