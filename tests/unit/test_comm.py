@@ -401,3 +401,56 @@ def test_a_long_wait_backs_off_and_yields_the_cpu():
     assert never.polls < 500, f"{never.polls} polls in 1 s"
     assert cpu < 0.05, f"the waiting thread used {cpu:.3f} s of CPU in 1 s"
 
+
+class FakeMpi:
+    """What :class:`~hvd_syncbn.transports.MpiCommunicator` asks of mpi4py, with a switch
+    for ``MPI_Finalize`` (as Horovod's thread calls it when a peer shuts Horovod down);
+    any request polled after it fails the test, as Open MPI aborts the job."""
+
+    IN_PLACE, SUM = object(), object()
+
+    def __init__(self) -> None:
+        self.finalized, self.after, self.COMM_WORLD = False, [], self
+
+    def Abort(self, code):
+        self.after += ["MPI_Abort"] if self.finalized else []
+
+    def Is_finalized(self):
+        return self.finalized
+
+    def request(self):
+        mpi = self
+
+        class Request:
+            def Test(self):
+                if mpi.finalized:
+                    mpi.after.append("MPI_Test")
+                return False
+
+            def Cancel(self):
+                mpi.after += ["MPI_Cancel"] if mpi.finalized else []
+
+            Wait = Cancel
+
+        return Request()
+
+    def Iallreduce(self, *args, **kw):
+        return self.request()
+
+    Isend = Irecv = Iallreduce
+
+
+def test_a_wait_whose_mpi_is_finalized_under_it_raises_without_calling_mpi(monkeypatch):
+    """A SyncBN wait over MPI while Horovod finalizes MPI (a peer exited): the wait, the
+    diagnosis and the abort at exit stop calling MPI, and the rank raises, saying so."""
+    monkeypatch.setattr(comm, "_aborted", [])
+    monkeypatch.setattr(comm.atexit, "register", lambda fn: None)
+    mpi = FakeMpi()
+    c = transports.MpiCommunicator.__new__(transports.MpiCommunicator)
+    c._mpi, c.comm, c.rank, c.size, c._rounds, c._side = mpi, mpi, 0, 2, 0, c
+    threading.Timer(0.2, lambda: setattr(mpi, "finalized", True)).start()
+    with pytest.raises(comm.SyncBatchNormError, match="RuntimeError: MPI was finalized while this rank waited"):
+        reduce(c, "bn", [1.0])
+    assert comm._aborted == [c]
+    comm._abort_at_exit()
+    assert mpi.after == [], f"called after MPI_Finalize: {mpi.after}"
