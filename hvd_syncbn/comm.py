@@ -171,16 +171,16 @@ class Communicator:
         """After a failure: stop this process's transport so that peers stop too."""
 
 
-SHORT_PAUSE, LONG_PAUSE, BACKOFF_AFTER = 5e-5, 0.02, 2e-3
+SHORT_PAUSE, LONG_PAUSE, BACKOFF_AFTER, BACKOFF_SHARE = 5e-5, 0.02, 0.01, 0.02
 
 
 def pause(waited: float) -> float:
     """Seconds to sleep between polls of a wait that has lasted ``waited`` seconds:
-    :data:`SHORT_PAUSE` while it is within a normal collective's latency
-    (:data:`BACKOFF_AFTER`), then a tenth of the time waited, up to :data:`LONG_PAUSE`:
-    a stopped peer costs a waiting rank ~50 wake-ups a second, not a core, and a late
-    answer is read at most 10% (and 20 ms) late."""
-    return SHORT_PAUSE if waited < BACKOFF_AFTER else min(LONG_PAUSE, waited / 10)
+    :data:`SHORT_PAUSE` while it is within a collective's latency plus a peer's usual
+    lateness (:data:`BACKOFF_AFTER`), then :data:`BACKOFF_SHARE` of the time waited, up
+    to :data:`LONG_PAUSE`: a stopped peer costs a waiting rank ~50 wake-ups a second, not
+    a core, and an answer after a long wait is read at most 2% (and 20 ms) late."""
+    return SHORT_PAUSE if waited < BACKOFF_AFTER else min(LONG_PAUSE, waited * BACKOFF_SHARE)
 
 
 class LocalCommunicator(Communicator):
