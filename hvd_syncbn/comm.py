@@ -25,7 +25,7 @@ import os
 import time
 import zlib
 from dataclasses import asdict, dataclass
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 
@@ -309,22 +309,24 @@ def poison(comm: Communicator, call: Call, problem: str, error: type = SyncBatch
     fail(comm, call, problem, error, since=since, stuck=stuck, cause=cause)
 
 
-def _exchange(comm: Communicator, call: Call, deadline: float) -> Dict[int, Call]:
+def _exchange(comm: Communicator, call: Call, deadline: float) -> Tuple[Dict[int, Call], str]:
     """The :class:`Call` of every rank that answered over the side channel before
-    ``deadline``, by rank, this rank's included: a rank that is gone leaves out only
-    itself where the transport gathers row by row (:attr:`Communicator.partial_gather`)."""
+    ``deadline``, by rank, this rank's included (a rank that is gone leaves out only
+    itself where the transport gathers row by row, :attr:`Communicator.partial_gather`),
+    and the side channel's own error ('' if none)."""
     row = np.zeros(RECORD_BYTES, dtype=np.uint8)
     record = _record(call)
     row[: len(record)] = np.frombuffer(record, dtype=np.uint8)
     rows: Dict[int, np.ndarray] = {}
+    broken = ""
     try:
         handle = comm.start_gather(row)
         complete = _wait(comm, handle, deadline)
         rows = comm.gathered(handle)
         if not complete:
             comm.end_gather(handle)
-    except Exception:  # noqa: BLE001 - no answer is the answer
-        pass
+    except Exception as e:  # noqa: BLE001 - said in the message
+        broken = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
     rows[comm.rank] = row
     calls = {}
     for rank, got in sorted(rows.items()):
@@ -333,7 +335,7 @@ def _exchange(comm: Communicator, call: Call, deadline: float) -> Dict[int, Call
             calls[rank] = Call(**json.loads(raw.decode()))
         except (ValueError, TypeError):  # garbled: as if it had not answered
             pass
-    return calls
+    return calls, broken
 
 
 LAYER_KEEP = 120
@@ -378,13 +380,13 @@ def _ranks(ranks: List[int]) -> str:
 
 
 def describe(calls: Dict[int, Call], me: Call, size: int, reason: str, partial: bool = True,
-             kind: str = "this transport") -> str:
+             kind: str = "this transport", broken: str = "") -> str:
     """The message every rank raises: who waits where, who is missing, and why.
 
     ``calls``: the answering ranks' calls by rank (:func:`_exchange`); ``partial``:
     whether those came row by row, so that the others are surely not in a collective
     (else the side channel, over ``kind``, is one collective that an absent rank holds
-    back for all).
+    back for all); ``broken``: the side channel's own error, if it failed.
     """
     lines = [f"SyncBatchNorm: ranks disagree or stopped ({reason}); this is rank {me.rank}, in {me.where()}."]
     groups: dict = {}
@@ -392,7 +394,10 @@ def describe(calls: Dict[int, Call], me: Call, size: int, reason: str, partial: 
         groups.setdefault(c.where(), []).append(c)
     everyone = list(range(size))
     silent = [r for r in everyone if r not in calls]
-    if silent and not partial and list(calls) == [me.rank]:
+    if silent and broken:
+        lines.append(f"  {_ranks(silent)}: no answer, as the diagnosis over {kind} failed ({broken}).")
+        silent = []
+    elif silent and not partial and list(calls) == [me.rank]:
         lines.append(f"  {_ranks(silent)} did not answer within the diagnosis time. At least one is not in a "
                      f"SyncBN collective (stuck in other code or another collective, stopped, finished, or dead); "
                      f"over {kind} the diagnosis is one collective, so it cannot tell which one, nor where the "
@@ -427,8 +432,8 @@ def fail(comm: Communicator, call: Call, reason: str, error: type = SyncBatchNor
     """
     since = time.monotonic() if since is None else since
     side = comm.side()
-    calls = _exchange(side, call, since + 1.5 * get_timeout())
-    message = describe(calls, call, comm.size, reason, side.partial_gather, side.kind)
+    calls, broken = _exchange(side, call, since + 1.5 * get_timeout())
+    message = describe(calls, call, comm.size, reason, side.partial_gather, side.kind, broken)
     log.error("%s", message)
     if stuck and not _aborted:
         _aborted.append(comm)

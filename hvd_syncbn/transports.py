@@ -15,6 +15,8 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+import urllib.error
+import urllib.request
 import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Tuple
@@ -353,3 +355,72 @@ class _PeerRows:
     table: np.ndarray
     sends: list
     receives: dict
+
+
+RENDEZVOUS_ENV = ("HOROVOD_GLOO_RENDEZVOUS_ADDR", "HOROVOD_GLOO_RENDEZVOUS_PORT")
+
+
+class RendezvousRows(Communicator):
+    """The diagnosis of a Horovod communicator started by ``horovodrun`` (Gloo), row by
+    row: each rank PUTs its row into the launcher's rendezvous key-value store (an HTTP
+    server in the ``horovodrun`` process, which lives as long as the job) and reads the
+    peers' rows as they appear, so a stopped or lost rank leaves out only its own. It
+    gathers only (the sums stay with Horovod). ``group``: what tells this group's rows
+    from another's (a process set's id)."""
+
+    kind = "horovodrun's rendezvous store"
+    partial_gather = True
+    SCOPE = "hvd_syncbn_diagnosis"
+    REQUEST_S = 1.0
+
+    def __init__(self, rank: int, size: int, group: Any, address: str) -> None:
+        self.rank, self.size, self.group, self.address, self._rounds = rank, size, group, address, 0
+
+    def _url(self, handle: "_StoreRows", rank: int) -> str:
+        return f"{self.address}/{self.SCOPE}/{self.group}.{handle.round}.{rank}"
+
+    def start_gather(self, row):
+        handle = _StoreRows(self._rounds, np.ascontiguousarray(row), {})
+        self._rounds += 1
+        handle.rows[self.rank] = handle.row
+        put = urllib.request.Request(self._url(handle, self.rank), data=handle.row.tobytes(), method="PUT")
+        _NO_PROXY.open(put, timeout=self.REQUEST_S).close()
+        return handle
+
+    def gathered(self, handle):
+        for rank in range(self.size):
+            if rank in handle.rows:
+                continue
+            try:
+                with _NO_PROXY.open(self._url(handle, rank), timeout=self.REQUEST_S) as answer:
+                    raw = answer.read()
+            except (urllib.error.URLError, OSError):  # 404: not yet; else unreachable: not now
+                continue
+            if len(raw) == handle.row.nbytes:
+                handle.rows[rank] = np.frombuffer(raw, dtype=handle.row.dtype)
+        return dict(handle.rows)
+
+    def done(self, handle):
+        return len(self.gathered(handle)) == self.size
+
+
+_NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+"""The store is the launcher's, reached directly (as Horovod's Gloo reaches it), never through ``$http_proxy``."""
+
+
+@dataclass
+class _StoreRows:
+    """A gather in flight over the rendezvous store: its round, this rank's row, the rows read."""
+
+    round: int
+    row: np.ndarray
+    rows: dict
+
+
+def rendezvous_rows(rank: int, size: int, group: Any) -> Optional[RendezvousRows]:
+    """:class:`RendezvousRows` where ``horovodrun`` (Gloo) started this process, else ``None``."""
+    addr, port = (os.environ.get(k) for k in RENDEZVOUS_ENV)
+    if not addr or not port:
+        return None
+    host = f"[{addr}]" if ":" in addr else addr
+    return RendezvousRows(rank, size, group, f"http://{host}:{port}")

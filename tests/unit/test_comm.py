@@ -454,3 +454,46 @@ def test_a_wait_whose_mpi_is_finalized_under_it_raises_without_calling_mpi(monke
     assert comm._aborted == [c]
     comm._abort_at_exit()
     assert mpi.after == [], f"called after MPI_Finalize: {mpi.after}"
+
+
+@pytest.fixture
+def rendezvous(monkeypatch):
+    """horovodrun's rendezvous store (the HTTP server it runs for Gloo), here in-process,
+    and its address in the environment as horovodrun sets it."""
+    http_server = pytest.importorskip("horovod.runner.http.http_server")
+    server = http_server.RendezvousServer()
+    port = server.start()
+    server.init([])
+    monkeypatch.setenv("HOROVOD_GLOO_RENDEZVOUS_ADDR", "127.0.0.1")
+    monkeypatch.setenv("HOROVOD_GLOO_RENDEZVOUS_PORT", str(port))
+    yield port
+    server.stop()
+
+
+def over_the_store(comms: list) -> list:
+    for c in comms:
+        c.side_comm = transports.rendezvous_rows(c.rank, c.size, 0)
+    return comms
+
+
+def test_under_horovodrun_the_diagnosis_names_a_silent_rank_through_the_rendezvous_store(rendezvous):
+    """Horovod's collectives need every rank; under horovodrun (Gloo) the diagnosis goes
+    through the launcher's store instead, row by row, and names the silent rank."""
+    out = run(3, lambda r, c: reduce(c, "bn", [1.0]) if r < 2 else None, comms=over_the_store(world(3)))
+    for r in (0, 1):
+        text = str(out[r])
+        assert ("ranks [0, 1] are waiting in layer 'bn' forward, step 0 (2 channels, 4D float32); "
+                "missing there: ranks [2]") in text, text
+        assert "rank 2 did not answer within the diagnosis time: not in a SyncBN collective" in text, text
+    out = run(3, lambda r, c: reduce(c, "bn" if r else "head", [1.0]), comms=over_the_store(world(3)))
+    for r in range(3):  # a second diagnosis, all ranks present: its own round in the store
+        assert "ranks [1, 2] are waiting in layer 'bn' forward" in str(out[r]) and "did not answer" not in str(out[r])
+
+
+def test_an_unreachable_store_says_the_diagnosis_failed(rendezvous, monkeypatch):
+    monkeypatch.setenv("HOROVOD_GLOO_RENDEZVOUS_PORT", "1")  # nothing listens there
+    out = run(2, lambda r, c: reduce(c, "bn", [1.0]) if r < 1 else None, comms=over_the_store(world(2)))
+    text = str(out[0])
+    assert "ranks [0] are waiting in layer 'bn' forward" in text, text
+    assert ("rank 1: no answer, as the diagnosis over horovodrun's rendezvous store failed (URLError: "
+            "<urlopen error [Errno 111] Connection refused>).") in text, text
