@@ -171,15 +171,16 @@ class Communicator:
         """After a failure: stop this process's transport so that peers stop too."""
 
 
-SHORT_PAUSE, LONG_PAUSE, BACKOFF_AFTER, BACKOFF_SHARE = 5e-5, 0.02, 0.01, 0.02
+SHORT_PAUSE, LONG_PAUSE, BACKOFF_AFTER, BACKOFF_SHARE = 5e-5, 0.02, 0.1, 0.02
 
 
 def pause(waited: float) -> float:
     """Seconds to sleep between polls of a wait that has lasted ``waited`` seconds:
-    :data:`SHORT_PAUSE` while it is within a collective's latency plus a peer's usual
-    lateness (:data:`BACKOFF_AFTER`), then :data:`BACKOFF_SHARE` of the time waited, up
-    to :data:`LONG_PAUSE`: a stopped peer costs a waiting rank ~50 wake-ups a second, not
-    a core, and an answer after a long wait is read at most 2% (and 20 ms) late."""
+    :data:`SHORT_PAUSE` while it is within a collective's latency plus a slow peer's
+    usual lateness (:data:`BACKOFF_AFTER`, 100 ms), then :data:`BACKOFF_SHARE` of the
+    time waited, up to :data:`LONG_PAUSE`: a stopped peer costs a waiting rank ~50
+    wake-ups a second, not 15,000, and an answer after a long wait is read at most 2%
+    (and 20 ms) late."""
     return SHORT_PAUSE if waited < BACKOFF_AFTER else min(LONG_PAUSE, waited * BACKOFF_SHARE)
 
 
