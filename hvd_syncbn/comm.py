@@ -394,16 +394,6 @@ def describe(calls: Dict[int, Call], me: Call, size: int, reason: str, partial: 
     for c in calls.values():
         groups.setdefault(c.where(), []).append(c)
     everyone = list(range(size))
-    silent = [r for r in everyone if r not in calls]
-    if silent and broken:
-        lines.append(f"  {_ranks(silent)}: no answer, as the diagnosis over {kind} failed ({broken}).")
-        silent = []
-    elif silent and not partial and list(calls) == [me.rank]:
-        lines.append(f"  {_ranks(silent)} did not answer within the diagnosis time. At least one is not in a "
-                     f"SyncBN collective (stuck in other code or another collective, stopped, finished, or dead); "
-                     f"over {kind} the diagnosis is one collective, so it cannot tell which one, nor where the "
-                     f"others wait.")
-        silent = []
     for where, members in groups.items():
         waiting = [c.rank for c in members]
         missing = [r for r in everyone if r not in waiting]
@@ -411,7 +401,15 @@ def describe(calls: Dict[int, Call], me: Call, size: int, reason: str, partial: 
         for c in members:
             if c.problem:
                 lines.append(f"    rank {c.rank}: {c.problem}")
-    if silent:
+    silent = [r for r in everyone if r not in calls]
+    if silent and broken:
+        lines.append(f"  {_ranks(silent)}: no answer, as the diagnosis over {kind} failed ({broken}).")
+    elif silent and not partial and list(calls) == [me.rank]:
+        lines.append(f"  {_ranks(silent)} did not answer within the diagnosis time. At least one is not in a "
+                     f"SyncBN collective (stuck in other code or another collective, stopped, finished, or dead); "
+                     f"over {kind} the diagnosis is one collective, so it cannot tell which one, nor where the "
+                     f"others wait.")
+    elif silent:
         lines.append(f"  {_ranks(silent)} did not answer within the diagnosis time: not in a SyncBN collective "
                      f"(stuck in other code or another collective, stopped, finished, or dead).")
     lines.append("  Every rank must call the same SyncBN layers in the same order with the same channel "

@@ -1,4 +1,5 @@
-"""When ranks disagree, send bad input or die, every rank stops with a message, in time.
+"""When ranks disagree, send bad input, die, stop or fail outside SyncBN, every rank stops
+with a message, in time.
 
 Runs ``tests/fail_scenarios.py`` under horovodrun (Gloo, Horovod transport) and mpirun
 (MPI transport) with ``HVD_SYNCBN_TIMEOUT=T``: every surviving rank must exit non-zero
