@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import logging
 import os
 import re
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -102,10 +104,17 @@ def iou_from_confusion(confusion: np.ndarray) -> np.ndarray:
         return hits / (confusion.sum(0) + confusion.sum(1) - hits)
 
 
-def atomic_write(path: Path, write: Callable[[str], object]) -> None:
+class DiskFullError(OSError):
+    """A file did not fit on its disk; the previous version of it is left as it was."""
+
+
+def atomic_write(path: Path, write: Callable[[str], object], size: int | None = None) -> None:
     """``write(tmp)`` a temporary file beside ``path``, then rename: a crash never leaves a torn file.
 
-    The temporary name keeps ``path``'s suffix, for writers (Keras) that check it.
+    The temporary name keeps ``path``'s suffix, for writers (Keras) that check it. If the
+    disk is full, raises :class:`DiskFullError` naming ``path``, the space needed
+    (``size`` bytes where the caller knows it, else more than was written) and free, and
+    whether a previous ``path`` is left; the temporary file is removed.
     """
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=path.suffix)
@@ -113,10 +122,34 @@ def atomic_write(path: Path, write: Callable[[str], object]) -> None:
     try:
         write(tmp)
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
+        written = os.path.getsize(tmp) if os.path.exists(tmp) else 0
+        full = isinstance(e, Exception) and _out_of_space(e, path.parent)
         if os.path.exists(tmp):
             os.unlink(tmp)
-        raise
+        if not full:
+            raise
+        free = shutil.disk_usage(path.parent).free
+        needed = f"{_size(size)} needed" if size else f"more than the {_size(written)} written needed"
+        kept = f"the previous {path.name} is left as it was" if path.exists() else f"there is no earlier {path.name}"
+        raise DiskFullError(errno.ENOSPC, f"cannot write {path}: no space left on its disk ({needed}, "
+                                          f"{_size(free)} free); {kept}. Free some space or pass another "
+                                          f"--checkpoint-dir") from e
+
+
+def _out_of_space(error: BaseException, folder: Path) -> bool:
+    """Whether ``error`` (or one it came from) says the disk is full, or, for writers whose
+    errors do not say (torch's ``basic_ios::clear``), the disk has under 1 MiB left."""
+    seen = error
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return shutil.disk_usage(folder).free < 2**20
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n / 2**10:.1f} KiB" if n >= 2**10 else f"{n} bytes"
 
 
 # The INFO lines of TensorFlow's C++ start-up (absl-formatted), their continuation, and

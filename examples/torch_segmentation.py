@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import io
 import sys
 from pathlib import Path
 
@@ -150,7 +151,10 @@ def evaluate(model: nn.Module, images: torch.Tensor, labels: torch.Tensor) -> to
 
 
 def save_checkpoint(path: Path, state: dict) -> None:
-    atomic_write(path, lambda tmp: torch.save(state, tmp))
+    """Serialized in memory first, so that a full disk is told with the size it needed."""
+    data = io.BytesIO()
+    torch.save(state, data)
+    atomic_write(path, lambda tmp: Path(tmp).write_bytes(data.getbuffer()), size=data.getbuffer().nbytes)
 
 
 def load_checkpoint(path: Path, model: nn.Module, opt: torch.optim.Optimizer) -> tuple[int, dict]:

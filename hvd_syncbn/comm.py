@@ -25,7 +25,7 @@ import os
 import time
 import zlib
 from dataclasses import asdict, dataclass
-from typing import Any, Callable, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 
@@ -121,12 +121,26 @@ class Communicator:
         :attr:`device_buffers`), which may be reused as the output; return a handle."""
         raise NotImplementedError
 
+    partial_gather = False
+    """Whether :meth:`gathered` hands out each rank's row as it arrives; else the gather
+    is one collective, and one absent rank holds back every row."""
+
     def start_gather(self, row: np.ndarray) -> Any:
         """Begin gathering every rank's ``row`` (equal sizes) into a ``(size, len)``
         table; here, as the sum of a zero table holding this rank's row."""
         table = np.zeros((self.size, row.size), dtype=np.float64)
         table[self.rank] = row
         return self.start(table.reshape(-1), "hvd_syncbn.diagnose")
+
+    def gathered(self, handle: Any) -> Dict[int, np.ndarray]:
+        """The rows of :meth:`start_gather` that have arrived, by rank: here all once
+        ``done``, none before (see :attr:`partial_gather`)."""
+        if not self.done(handle):
+            return {}
+        return dict(enumerate(np.asarray(self.result(handle)).reshape(self.size, -1)))
+
+    def end_gather(self, handle: Any) -> None:
+        """Stop waiting for the rows of :meth:`start_gather` that did not arrive."""
 
     def done(self, handle: Any) -> bool:
         raise NotImplementedError
@@ -136,15 +150,17 @@ class Communicator:
         raise NotImplementedError
 
     def wait(self, handle: Any, deadline: float) -> bool:
-        """Until ``done`` (spinning ``spins`` polls first, then polling with short sleeps);
-        ``False`` at the ``time.monotonic()`` deadline."""
+        """Until ``done`` (spinning ``spins`` polls first, then polling with sleeps, see
+        :func:`pause`); ``False`` at the ``time.monotonic()`` deadline."""
         for _ in range(self.spins):
             if self.done(handle):
                 return True
+        begin = time.monotonic()
         while not self.done(handle):
-            if time.monotonic() > deadline:
+            now = time.monotonic()
+            if now > deadline:
                 return False
-            time.sleep(5e-5)
+            time.sleep(min(pause(now - begin), max(0.0, deadline - now) + 1e-4))
         return True
 
     def side(self) -> "Communicator":
@@ -153,6 +169,19 @@ class Communicator:
 
     def abort(self) -> None:
         """After a failure: stop this process's transport so that peers stop too."""
+
+
+SHORT_PAUSE, LONG_PAUSE, BACKOFF_AFTER, BACKOFF_SHARE = 5e-5, 0.02, 0.1, 0.02
+
+
+def pause(waited: float) -> float:
+    """Seconds to sleep between polls of a wait that has lasted ``waited`` seconds:
+    :data:`SHORT_PAUSE` while it is within a collective's latency plus a slow peer's
+    usual lateness (:data:`BACKOFF_AFTER`, 100 ms), then :data:`BACKOFF_SHARE` of the
+    time waited, up to :data:`LONG_PAUSE`: a stopped peer costs a waiting rank ~50
+    wake-ups a second, not 15,000, and an answer after a long wait is read at most 2%
+    (and 20 ms) late."""
+    return SHORT_PAUSE if waited < BACKOFF_AFTER else min(LONG_PAUSE, waited * BACKOFF_SHARE)
 
 
 class LocalCommunicator(Communicator):
@@ -286,60 +315,108 @@ def poison(comm: Communicator, call: Call, problem: str, error: type = SyncBatch
     fail(comm, call, problem, error, since=since, stuck=stuck, cause=cause)
 
 
-def _exchange(comm: Communicator, call: Call, deadline: float) -> Optional[List[Call]]:
-    """Every answering rank's :class:`Call`, over the side channel; ``None`` if some
-    rank did not join before ``deadline``."""
+def _exchange(comm: Communicator, call: Call, deadline: float) -> Tuple[Dict[int, Call], str]:
+    """The :class:`Call` of every rank that answered over the side channel before
+    ``deadline``, by rank, this rank's included (a rank that is gone leaves out only
+    itself where the transport gathers row by row, :attr:`Communicator.partial_gather`),
+    and the side channel's own error ('' if none)."""
     row = np.zeros(RECORD_BYTES, dtype=np.uint8)
     record = _record(call)
     row[: len(record)] = np.frombuffer(record, dtype=np.uint8)
+    rows: Dict[int, np.ndarray] = {}
+    broken = ""
     try:
         handle = comm.start_gather(row)
-        if not _wait(comm, handle, deadline):
-            return None
-        table = np.asarray(comm.result(handle)).reshape(comm.size, RECORD_BYTES)
-    except Exception:  # noqa: BLE001 - no answer is the answer
-        return None
-    calls = []
-    for row in table:
-        raw = bytes(row.astype(np.uint8)).rstrip(b"\0")
+        complete = _wait(comm, handle, deadline)
+        rows = comm.gathered(handle)
+        if not complete:
+            comm.end_gather(handle)
+    except Exception as e:  # noqa: BLE001 - said in the message
+        broken = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    rows[comm.rank] = row
+    calls = {}
+    for rank, got in sorted(rows.items()):
+        raw = bytes(np.asarray(got).astype(np.uint8)).rstrip(b"\0")
         try:
-            calls.append(Call(**json.loads(raw.decode())))
-        except (ValueError, TypeError):
-            return None
-    return calls
+            calls[rank] = Call(**json.loads(raw.decode()))
+        except (ValueError, TypeError):  # garbled: as if it had not answered
+            pass
+    return calls, broken
+
+
+LAYER_KEEP = 120
+"""Characters of a long layer path that a diagnosis record keeps (its start and end)."""
+
+
+def shorten(text: str, keep: int, mark: str = "...") -> str:
+    """``text`` with its middle replaced by ``mark`` if it is longer than ``keep``."""
+    if len(text) <= keep:
+        return text
+    tail = max(0, keep - len(mark)) // 2
+    return f"{text[: max(0, keep - len(mark) - tail)]}{mark}{text[len(text) - tail:]}"
+
+
+def short_layer(layer: str) -> str:
+    """A layer path longer than :data:`LAYER_KEEP`, shortened in the middle to that
+    length; the middle's mark holds a hash of the whole path, so that two long paths
+    differing only in the middle (``...layers.12...`` and ``...layers.13...``) still differ."""
+    return shorten(layer, LAYER_KEEP, f"...{zlib.crc32(layer.encode()):08x}...")
 
 
 def _record(call: Call) -> bytes:
-    """``call`` as JSON of at most :data:`RECORD_BYTES`, its ``problem`` cut to fit."""
+    """``call`` as JSON of at most :data:`RECORD_BYTES`: a long layer path shortened in
+    the middle (:func:`short_layer`; in its ``problem`` too, which names it), then, if
+    still too long, the ``problem`` cut in the middle, so that its cause (at the end)
+    survives."""
     fields = asdict(call)
-    record = json.dumps(fields).encode()
-    while len(record) > RECORD_BYTES and fields["problem"]:
-        keep = max(0, len(fields["problem"]) - (len(record) - RECORD_BYTES) - len(" [cut]"))
-        fields["problem"] = fields["problem"][:keep] + " [cut]" if keep else ""
-        record = json.dumps(fields).encode()
-    return record[:RECORD_BYTES]
+
+    def encoded() -> bytes:
+        return json.dumps(fields).encode()
+
+    fields["layer"] = short_layer(call.layer)
+    fields["problem"] = call.problem.replace(call.layer, fields["layer"])
+    while len(encoded()) > RECORD_BYTES and fields["problem"]:
+        keep = len(fields["problem"]) - (len(encoded()) - RECORD_BYTES) - 3
+        fields["problem"] = shorten(fields["problem"], keep) if keep > 40 else ""
+    return encoded()[:RECORD_BYTES]
 
 
-def describe(calls: Optional[List[Call]], me: Call, size: int, reason: str) -> str:
-    """The message every rank raises: who waits where, who is missing, and why."""
+def _ranks(ranks: List[int]) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {ranks}"
+
+
+def describe(calls: Dict[int, Call], me: Call, size: int, reason: str, partial: bool = True,
+             kind: str = "this transport", broken: str = "") -> str:
+    """The message every rank raises: who waits where, who is missing, and why.
+
+    ``calls``: the answering ranks' calls by rank (:func:`_exchange`); ``partial``:
+    whether those came row by row, so that the others are surely not in a collective
+    (else the side channel, over ``kind``, is one collective that an absent rank holds
+    back for all); ``broken``: the side channel's own error, if it failed.
+    """
     lines = [f"SyncBatchNorm: ranks disagree or stopped ({reason}); this is rank {me.rank}, in {me.where()}."]
-    if calls is None:
-        lines.append(
-            f"  The other ranks did not answer within the diagnosis time: they are not in a SyncBN "
-            f"collective (stuck in other code or another collective, finished, or dead)."
-        )
-    else:
-        groups: dict = {}
-        for c in calls:
-            groups.setdefault(c.where(), []).append(c)
-        everyone = list(range(size))
-        for where, members in groups.items():
-            waiting = [c.rank for c in members]
-            missing = [r for r in everyone if r not in waiting]
-            lines.append(f"  ranks {waiting} are waiting in {where}; missing there: ranks {missing}")
-            for c in members:
-                if c.problem:
-                    lines.append(f"    rank {c.rank}: {c.problem}")
+    groups: dict = {}
+    for c in calls.values():
+        groups.setdefault(c.where(), []).append(c)
+    everyone = list(range(size))
+    for where, members in groups.items():
+        waiting = [c.rank for c in members]
+        missing = [r for r in everyone if r not in waiting]
+        lines.append(f"  ranks {waiting} are waiting in {where}; missing there: ranks {missing}")
+        for c in members:
+            if c.problem:
+                lines.append(f"    rank {c.rank}: {c.problem}")
+    silent = [r for r in everyone if r not in calls]
+    if silent and broken:
+        lines.append(f"  {_ranks(silent)}: no answer, as the diagnosis over {kind} failed ({broken}).")
+    elif silent and not partial and list(calls) == [me.rank]:
+        lines.append(f"  {_ranks(silent)} did not answer within the diagnosis time. At least one is not in a "
+                     f"SyncBN collective (stuck in other code or another collective, stopped, finished, or dead); "
+                     f"over {kind} the diagnosis is one collective, so it cannot tell which one, nor where the "
+                     f"others wait.")
+    elif silent:
+        lines.append(f"  {_ranks(silent)} did not answer within the diagnosis time: not in a SyncBN collective "
+                     f"(stuck in other code or another collective, stopped, finished, or dead).")
     lines.append("  Every rank must call the same SyncBN layers in the same order with the same channel "
                  "count, input rank and dtype (the batch and spatial sizes may differ).")
     return "\n".join(lines)
@@ -358,8 +435,9 @@ def fail(comm: Communicator, call: Call, reason: str, error: type = SyncBatchNor
     rank that failed at once still meets the peers that fail by timing out.
     """
     since = time.monotonic() if since is None else since
-    calls = _exchange(comm.side(), call, since + 1.5 * get_timeout())
-    message = describe(calls, call, comm.size, reason)
+    side = comm.side()
+    calls, broken = _exchange(side, call, since + 1.5 * get_timeout())
+    message = describe(calls, call, comm.size, reason, side.partial_gather, side.kind, broken)
     log.error("%s", message)
     if stuck and not _aborted:
         _aborted.append(comm)

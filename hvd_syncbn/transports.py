@@ -15,6 +15,8 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+import urllib.error
+import urllib.request
 import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Tuple
@@ -262,20 +264,25 @@ class MpiCommunicator(Communicator):
     """mpi4py on a duplicate of ``MPI.COMM_WORLD`` (or of a group of it), with a second
     duplicate for diagnostics. ``comm``: use this MPI communicator as it is.
 
-    Sums are MPI's own nonblocking ``Iallreduce`` (in place), and the diagnosis an
-    ``Iallgather``, polled with ``Test`` against the deadline: the MPI library picks the
-    algorithm for the network it runs on (shared memory, UCX, collective offload). CUDA
-    buffers (``__cuda_array_interface__``) go to MPI as they are where it is CUDA-aware
-    (:func:`mpi_reads_cuda`)."""
+    Sums are MPI's own nonblocking ``Iallreduce`` (in place), polled with ``Test``
+    against the deadline: the MPI library picks the algorithm for the network it runs on
+    (shared memory, UCX, collective offload). The diagnosis is point to point (every
+    rank's row sent to every other, one receive per peer), so the rows of the ranks that
+    answer arrive without the others. CUDA buffers (``__cuda_array_interface__``) go to
+    MPI as they are where it is CUDA-aware (:func:`mpi_reads_cuda`). Once MPI is
+    finalized under a wait (Horovod finalizes the MPI it initialized when a peer shuts it
+    down), polls raise instead of calling MPI."""
 
     kind = "mpi"
     spins = 2000
+    partial_gather = True
 
     def __init__(self, ranks: Optional[List[int]] = None, comm: Any = None) -> None:
         from mpi4py import MPI
 
         self._mpi = MPI
         self._side: Communicator = self
+        self._rounds = 0
         if comm is None:
             world = MPI.COMM_WORLD
             if ranks is None or sorted(ranks) == list(range(world.Get_size())):
@@ -294,17 +301,128 @@ class MpiCommunicator(Communicator):
         return arr, self.comm.Iallreduce(self._mpi.IN_PLACE, arr, op=self._mpi.SUM)
 
     def start_gather(self, row):
-        table = np.empty((self.size, row.size), dtype=row.dtype)
-        return table, self.comm.Iallgather(np.ascontiguousarray(row), table)
+        self._alive()
+        tag, self._rounds = self._rounds % 32767, self._rounds + 1  # 32767: the least MPI_TAG_UB
+        row = np.ascontiguousarray(row)
+        table = np.zeros((self.size, row.size), dtype=row.dtype)
+        table[self.rank] = row
+        peers = [r for r in range(self.size) if r != self.rank]
+        sends = [self.comm.Isend(row, dest=r, tag=tag) for r in peers]
+        return _PeerRows(table, sends, {r: self.comm.Irecv(table[r], source=r, tag=tag) for r in peers})
+
+    def gathered(self, handle):
+        self._alive()
+        rows = {self.rank: handle.table[self.rank]}
+        rows.update({r: handle.table[r] for r, req in handle.receives.items() if req.Test()})
+        return rows
+
+    def end_gather(self, handle):
+        """Cancels the receives still pending (a cancelled receive completes at once); the
+        sends stay with the handle, which :func:`hvd_syncbn.comm._wait` keeps alive."""
+        if self._mpi.Is_finalized():
+            return
+        for req in handle.receives.values():
+            if not req.Test():
+                req.Cancel()
+                req.Wait()
 
     def done(self, handle):
-        return handle[1].Test()
+        if type(handle) is tuple:  # a sum: the normal path, polled thousands of times a wait
+            if self._mpi.Is_finalized():
+                self._alive()
+            return handle[1].Test()
+        self._alive()
+        return all(req.Test() for req in handle.receives.values())
 
     def result(self, handle):
-        return handle[0]
+        return handle.table.reshape(-1) if isinstance(handle, _PeerRows) else handle[0]
 
     def side(self):
         return self._side
 
     def abort(self):
-        self._mpi.COMM_WORLD.Abort(1)
+        if not self._mpi.Is_finalized():
+            self._mpi.COMM_WORLD.Abort(1)
+
+    def _alive(self) -> None:
+        if self._mpi.Is_finalized():
+            raise RuntimeError("MPI was finalized while this rank waited (Horovod finalizes the MPI it initialized "
+                               "when a peer shuts it down: a peer has exited)")
+
+
+@dataclass
+class _PeerRows:
+    """A gather in flight, point to point: the table, this rank's sends, a receive per peer."""
+
+    table: np.ndarray
+    sends: list
+    receives: dict
+
+
+RENDEZVOUS_ENV = ("HOROVOD_GLOO_RENDEZVOUS_ADDR", "HOROVOD_GLOO_RENDEZVOUS_PORT")
+
+
+class RendezvousRows(Communicator):
+    """The diagnosis of a Horovod communicator started by ``horovodrun`` (Gloo), row by
+    row: each rank PUTs its row into the launcher's rendezvous key-value store (an HTTP
+    server in the ``horovodrun`` process, which lives as long as the job) and reads the
+    peers' rows as they appear, so a stopped or lost rank leaves out only its own. It
+    gathers only (the sums stay with Horovod). ``group``: what tells this group's rows
+    from another's (a process set's id)."""
+
+    kind = "horovodrun's rendezvous store"
+    partial_gather = True
+    SCOPE = "hvd_syncbn_diagnosis"
+    REQUEST_S = 1.0
+
+    def __init__(self, rank: int, size: int, group: Any, address: str) -> None:
+        self.rank, self.size, self.group, self.address, self._rounds = rank, size, group, address, 0
+
+    def _url(self, handle: "_StoreRows", rank: int) -> str:
+        return f"{self.address}/{self.SCOPE}/{self.group}.{handle.round}.{rank}"
+
+    def start_gather(self, row):
+        handle = _StoreRows(self._rounds, np.ascontiguousarray(row), {})
+        self._rounds += 1
+        handle.rows[self.rank] = handle.row
+        put = urllib.request.Request(self._url(handle, self.rank), data=handle.row.tobytes(), method="PUT")
+        _NO_PROXY.open(put, timeout=self.REQUEST_S).close()
+        return handle
+
+    def gathered(self, handle):
+        for rank in range(self.size):
+            if rank in handle.rows:
+                continue
+            try:
+                with _NO_PROXY.open(self._url(handle, rank), timeout=self.REQUEST_S) as answer:
+                    raw = answer.read()
+            except (urllib.error.URLError, OSError):  # 404: not yet; else unreachable: not now
+                continue
+            if len(raw) == handle.row.nbytes:
+                handle.rows[rank] = np.frombuffer(raw, dtype=handle.row.dtype)
+        return dict(handle.rows)
+
+    def done(self, handle):
+        return len(self.gathered(handle)) == self.size
+
+
+_NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+"""The store is the launcher's, reached directly (as Horovod's Gloo reaches it), never through ``$http_proxy``."""
+
+
+@dataclass
+class _StoreRows:
+    """A gather in flight over the rendezvous store: its round, this rank's row, the rows read."""
+
+    round: int
+    row: np.ndarray
+    rows: dict
+
+
+def rendezvous_rows(rank: int, size: int, group: Any) -> Optional[RendezvousRows]:
+    """:class:`RendezvousRows` where ``horovodrun`` (Gloo) started this process, else ``None``."""
+    addr, port = (os.environ.get(k) for k in RENDEZVOUS_ENV)
+    if not addr or not port:
+        return None
+    host = f"[{addr}]" if ":" in addr else addr
+    return RendezvousRows(rank, size, group, f"http://{host}:{port}")

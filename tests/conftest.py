@@ -39,13 +39,29 @@ def pytest_configure(config):
 class ThreadComm(comm.Communicator):
     """Rank ``rank`` of a world of threads; the k-th ``start`` of every rank is summed
     together (matched by order, not name, as MPI does); mismatched sizes fail like MPI
-    truncation."""
+    truncation. With ``partial_gather`` the k-th gather hands out each rank's row as it
+    arrives (as MPI's point-to-point diagnosis does); else it is one collective."""
 
     kind = "threads"
 
-    def __init__(self, shared: dict, rank: int, size: int) -> None:
-        self.shared, self.rank, self.size, self.calls = shared, rank, size, 0
+    def __init__(self, shared: dict, rank: int, size: int, partial_gather: bool = True) -> None:
+        self.shared, self.rank, self.size, self.calls, self.gathers = shared, rank, size, 0, 0
+        self.partial_gather = partial_gather
         self.side_comm: Optional[ThreadComm] = None
+
+    def start_gather(self, row):
+        if not self.partial_gather:
+            return super().start_gather(row)
+        handle, self.gathers = ("gather", self.gathers), self.gathers + 1
+        with self.shared["lock"]:
+            self.shared.setdefault(handle, {})[self.rank] = np.array(row)
+        return handle
+
+    def gathered(self, handle):
+        if not self.partial_gather:
+            return super().gathered(handle)
+        with self.shared["lock"]:
+            return dict(self.shared[handle])
 
     def start(self, buf, name):
         with self.shared["lock"]:
@@ -67,12 +83,13 @@ class ThreadComm(comm.Communicator):
         return self.side_comm
 
 
-def world(size: int) -> List[ThreadComm]:
-    """One :class:`ThreadComm` per rank of a new world of ``size``, each with a side channel."""
+def world(size: int, partial_gather: bool = True) -> List[ThreadComm]:
+    """One :class:`ThreadComm` per rank of a new world of ``size``, each with a side
+    channel (whose gather is row by row, or one collective)."""
     main, side = {"lock": threading.Lock()}, {"lock": threading.Lock()}
     comms = [ThreadComm(main, r, size) for r in range(size)]
     for r, c in enumerate(comms):
-        c.side_comm = ThreadComm(side, r, size)
+        c.side_comm = ThreadComm(side, r, size, partial_gather)
     return comms
 
 

@@ -1,5 +1,5 @@
 """Rank-side failure scenarios for ``test_failures.py``: ranks that disagree, bad input on
-one rank, a rank that dies. Every rank prints one ``RESULT`` line, then exits.
+one rank, a rank that dies, stops or fails outside SyncBN. Every rank prints one ``RESULT`` line, then exits.
 
     horovodrun -np 2 python tests/fail_scenarios.py torch extra_layer
 
@@ -10,6 +10,7 @@ SyncBN call raised (``elapsed``: seconds since the step that goes wrong began), 
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
 import sys
@@ -90,6 +91,10 @@ def main() -> None:
             x = rows
             if bad and SCENARIO == "die" and rank == world - 1:
                 os.kill(os.getpid(), signal.SIGKILL)
+            if bad and SCENARIO == "stop" and rank == world - 1:  # a hung node: stopped until killed
+                os.kill(os.getpid(), signal.SIGSTOP)
+            if bad and SCENARIO == "exit" and rank == world - 1:  # fails outside SyncBN, as a full disk does
+                raise OSError(errno.ENOSPC, "No space left on device (writing a checkpoint, outside SyncBN)")
             if bad and SCENARIO == "extra_layer" and rank == 0:
                 extra(x)
             if bad and SCENARIO == "bad_input" and rank == 1:

@@ -1,4 +1,5 @@
-"""When ranks disagree, send bad input or die, every rank stops with a message, in time.
+"""When ranks disagree, send bad input, die, stop or fail outside SyncBN, every rank stops
+with a message, in time.
 
 Runs ``tests/fail_scenarios.py`` under horovodrun (Gloo, Horovod transport) and mpirun
 (MPI transport) with ``HVD_SYNCBN_TIMEOUT=T``: every surviving rank must exit non-zero
@@ -117,6 +118,43 @@ def test_peers_of_a_killed_rank_exit_nonzero_in_time(framework, launcher):
     for rank in (0, 1):
         assert f"RESULT rank={rank} finished" not in logs.get(rank, ""), f"rank {rank} finished despite a dead peer"
     assert time.monotonic() - start < 120
+
+
+STOP_CASES = [("torch", "mpirun"), ("keras", "horovodrun-gloo")]  # the diagnosis point to point; through the store
+
+
+@pytest.mark.parametrize("framework, launcher", STOP_CASES, ids=[f"{f}-{l}" for f, l in STOP_CASES])
+def test_the_peers_of_a_stopped_rank_name_it(framework, launcher):
+    """Rank 2 of 3 stops (SIGSTOP, as a hung node) in the step that goes wrong: ranks 0
+    and 1 each say where both of them wait and that rank 2 did not answer, within 2·T."""
+    start = time.monotonic()
+    rc, logs, raw = launch(["tests/fail_scenarios.py", framework, "stop"], launcher, 3)
+    assert rc != 0, raw[-3000:]
+    for rank in (0, 1):
+        found = RESULT.findall(logs.get(rank, ""))
+        assert found, f"rank {rank} reported no error:\n{logs.get(rank, raw)[-3000:]}"
+        _, elapsed, error, message = found[0]
+        assert "SyncBatchNorm" in error and float(elapsed) <= 2 * T, f"rank {rank}: {error} after {elapsed} s"
+        for text in ("ranks [0, 1] are waiting in layer 'body.bn1' forward, step 2",
+                     "missing there: ranks [2]", "rank 2 did not answer within the diagnosis time"):
+            assert text in message, f"rank {rank}'s message lacks {text!r}:\n{message[:3000]}"
+    assert time.monotonic() - start < 120
+
+
+@pytest.mark.parametrize("framework", ["torch", "keras"])
+def test_a_rank_failing_outside_syncbn_leaves_no_mpi_call_after_finalize(framework):
+    """Under mpirun with Horovod initialised first, rank 2 raises outside SyncBN (as on a
+    full disk) while its peers wait in SyncBN over MPI: Horovod finalizes MPI under their
+    wait; they raise, saying so, and never call MPI after MPI_Finalize (Open MPI's abort)."""
+    rc, logs, raw = launch(["tests/fail_scenarios.py", framework, "exit"], "mpirun", 3)
+    assert rc != 0, raw[-3000:]
+    assert "after MPI_FINALIZE" not in raw, raw[-3000:]
+    for rank in (0, 1):
+        found = RESULT.findall(logs.get(rank, ""))
+        assert found, f"rank {rank} reported no error:\n{logs.get(rank, raw)[-3000:]}"
+        _, elapsed, error, message = found[0]
+        assert "SyncBatchNorm" in error and float(elapsed) <= 2 * T, f"rank {rank}: {error} after {elapsed} s"
+        assert "layer 'body.bn1' forward, step 2" in message, message[:3000]
 
 
 def _rank_pid(rank: int, script: str) -> int | None:

@@ -16,7 +16,7 @@ import tensorflow as tf
 from tensorflow.python.ops import control_flow_util
 
 from hvd_syncbn.comm import Communicator
-from hvd_syncbn.transports import HorovodTransport, MpiTransport, Registry, Request, not_a_member
+from hvd_syncbn.transports import HorovodTransport, MpiTransport, Registry, Request, not_a_member, rendezvous_rows
 
 try:
     import horovod.tensorflow as hvd
@@ -43,7 +43,7 @@ class HorovodComm(Communicator):
         self.ps, self.gather = process_set, gather
         self.rank, self.size = process_set.rank(), process_set.size()
         self._jobs: "queue.Queue[_Job]" = queue.Queue()
-        self._side: Optional[HorovodComm] = None
+        self._side: Optional[Communicator] = None
         threading.Thread(target=self._serve, daemon=True, name="hvd_syncbn-horovod").start()
 
     def _serve(self) -> None:
@@ -66,9 +66,12 @@ class HorovodComm(Communicator):
         return job
 
     def side(self):
-        """Allgather, a differently named op, so that it passes a stuck allreduce."""
+        """Under ``horovodrun`` (Gloo), its rendezvous store, row by row
+        (:class:`~hvd_syncbn.transports.RendezvousRows`); else an allgather, a differently
+        named op, so that it passes a stuck allreduce."""
         if self._side is None:
-            self._side = HorovodComm(self.ps, gather=True)
+            self._side = (rendezvous_rows(self.rank, self.size, self.ps.process_set_id)
+                          or HorovodComm(self.ps, gather=True))
         return self._side
 
     def done(self, handle):

@@ -14,7 +14,8 @@ import torch.distributed as dist
 
 from hvd_syncbn.comm import Communicator, LocalCommunicator
 from hvd_syncbn.transports import (
-    COMM_ENV, HorovodTransport, MpiTransport, Registry, Request, Transport, not_a_member, requested_kind,
+    COMM_ENV, HorovodTransport, MpiTransport, Registry, Request, Transport, not_a_member, rendezvous_rows,
+    requested_kind,
 )
 from hvd_syncbn.torch import private_group
 
@@ -36,6 +37,12 @@ class HorovodComm(Communicator):
         self.rank, self.size = process_set.rank(), process_set.size()
         # Built without GPU support, Horovod refuses CUDA tensors (its ready event needs CUDA).
         self.device_buffers = bool(hvd.cuda_built() or hvd.rocm_built())
+        self._side = rendezvous_rows(self.rank, self.size, process_set.process_set_id) or self
+
+    def side(self):
+        """Under ``horovodrun`` (Gloo), its rendezvous store, row by row
+        (:class:`~hvd_syncbn.transports.RendezvousRows`); else Horovod, one collective."""
+        return self._side
 
     def start(self, buf, name):
         tensor = buf if isinstance(buf, torch.Tensor) else torch.from_numpy(buf)

@@ -3,7 +3,9 @@
 
 from __future__ import annotations
 
+import json
 import os
+import threading
 import time
 import warnings
 
@@ -63,16 +65,36 @@ def test_same_layer_differing_in_step_channels_or_dtype_raises_on_every_rank(fie
         assert f"ranks [1] are waiting in layer 'bn' forward, {theirs}; missing there: ranks [0]" in text, text
 
 
-def test_a_silent_rank_times_out_and_the_others_say_so():
+def test_a_silent_rank_times_out_and_the_others_name_it():
+    """Rank 2 never joins; ranks 0 and 1 say where both wait and that rank 2 did not
+    answer: the diagnosis gathers each rank's row on its own (as MPI's does)."""
     start = time.monotonic()
-    out = run(2, lambda r, c: reduce(c, "bn", [1.0]) if r == 0 else None)
-    assert isinstance(out[0], comm.SyncBatchNormError), repr(out[0])
-    assert out[1] is None, repr(out[1])
-    text = str(out[0])
-    assert "ranks disagree or stopped (no match within 0.5 s (HVD_SYNCBN_TIMEOUT)); this is rank 0" in text, text
-    assert ("The other ranks did not answer within the diagnosis time: they are not in a SyncBN collective "
-            "(stuck in other code or another collective, finished, or dead).") in text, text
+    out = run(3, lambda r, c: reduce(c, "bn", [1.0]) if r < 2 else None)
+    assert out[2] is None, repr(out[2])
+    for r in (0, 1):
+        text = str(out[r])
+        assert isinstance(out[r], comm.SyncBatchNormError), repr(out[r])
+        assert f"ranks disagree or stopped (no match within 0.5 s (HVD_SYNCBN_TIMEOUT)); this is rank {r}" in text, text
+        assert ("ranks [0, 1] are waiting in layer 'bn' forward, step 0 (2 channels, 4D float32); "
+                "missing there: ranks [2]") in text, text
+        assert ("rank 2 did not answer within the diagnosis time: not in a SyncBN collective (stuck in other code "
+                "or another collective, stopped, finished, or dead).") in text, text
     assert time.monotonic() - start <= 2 * 0.5 + 0.5
+
+
+def test_where_the_diagnosis_is_one_collective_a_silent_rank_is_named_among_the_silent():
+    """A transport whose gather is one collective (Horovod, torch.distributed) cannot
+    tell the waiting peers from the absent one, and says so."""
+    out = run(3, lambda r, c: reduce(c, "bn", [1.0]) if r < 2 else None, comms=world(3, partial_gather=False))
+    for r in (0, 1):
+        text = str(out[r])
+        assert isinstance(out[r], comm.SyncBatchNormError), repr(out[r])
+        assert (f"ranks [{r}] are waiting in layer 'bn' forward, step 0 (2 channels, 4D float32); missing there: "
+                f"ranks {[p for p in range(3) if p != r]}") in text, text
+        assert (f"ranks {[p for p in range(3) if p != r]} did not answer within the diagnosis time. At least one "
+                "is not in a SyncBN collective (stuck in other code or another collective, stopped, finished, or "
+                "dead); over threads the diagnosis is one collective, so it cannot tell which one, nor where the "
+                "others wait.") in text, text
 
 
 def forward_payload(channels: int = 2) -> list:
@@ -111,6 +133,42 @@ def test_a_problem_of_1000_characters_reaches_every_rank():
         assert "did not answer" not in str(e), str(e)
         assert f"rank 0: {problem[:200]}" in str(e), f"rank {r}: {e}"
     assert problem in str(out[0]), "the rank with the problem states it whole"
+
+
+def test_a_long_layer_path_is_shortened_in_the_middle_and_the_cause_kept():
+    """A 700-character layer path (deeply nested modules): the record shortens the path
+    in the middle (keeping a hash of it), in the problem too, and keeps the cause at the
+    problem's end."""
+    layer = "encoder." + ".".join(f"block{i}" for i in range(100))[:680] + ".bn1"
+    assert len(layer) >= 690
+    cause = "expected 4 channels on axis 1, got 3 (input shape (3, 3, 5))"
+
+    def fn(r, c):
+        if r == 1:
+            comm.poison(c, call(layer, rank=c.rank), f"{layer}: {cause}")
+        return reduce(c, layer, forward_payload())
+
+    out = run(3, fn)
+    short = comm.short_layer(layer)
+    assert len(short) == comm.LAYER_KEEP and short.startswith("encoder.block0.") and short.endswith(".bn1"), short
+    other = layer.replace("block50", "block05")
+    assert comm.short_layer(other) != short and comm.short_layer(other)[:40] == short[:40]
+    for r, e in enumerate(out):
+        assert isinstance(e, comm.SyncBatchNormError), e
+        assert f"rank 1: {short}: {cause}" in str(e), f"rank {r}: {e}"
+        assert f"ranks [0, 1, 2] are waiting in layer '{short}' forward, step 0" in str(e), f"rank {r}: {e}"
+        assert f"this is rank {r}, in layer '{layer}' forward" in str(e), "each rank names its own layer whole"
+
+
+@pytest.mark.parametrize("layer_chars, problem_chars", [(0, 2000), (2000, 0), (900, 900), (5, 1019)])
+def test_a_record_always_fits_and_keeps_both_ends_of_the_problem(layer_chars, problem_chars):
+    layer = ("L" * layer_chars) or "bn"
+    problem = "START " + "x" * problem_chars + " CAUSE"
+    record = comm._record(comm.Call(layer, "fwd", 0, 4, 4, "float32", 1, problem))
+    assert len(record) <= comm.RECORD_BYTES
+    back = comm.Call(**json.loads(record.decode()))
+    assert back.problem.startswith("START ") and back.problem.endswith(" CAUSE"), back.problem[-80:]
+    assert len(back.layer) <= max(len(layer), comm.LAYER_KEEP)
 
 
 def test_a_failure_that_is_not_bad_input_chains_the_real_exception():
@@ -321,3 +379,123 @@ def test_a_launch_of_several_processes_where_no_transport_works_warns_naming_it(
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert registry.resolve("auto", transports.Request("bn2")) is None
+
+
+def test_a_long_wait_backs_off_and_yields_the_cpu(monkeypatch):
+    """For the first 100 ms the polls sleep 50 µs; then 2% of the time waited, up to
+    20 ms: a 10 s wait for a peer that never comes polls ~2,600 times, not 200,000
+    (on a clock that advances by the sleeps asked for), and never sleeps past its deadline."""
+    assert comm.pause(0.0) == comm.pause(0.099) == comm.SHORT_PAUSE
+    assert comm.pause(0.5) == pytest.approx(0.01) and comm.pause(60.0) == comm.LONG_PAUSE
+    clock = [1000.0]
+    monkeypatch.setattr(comm.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(comm.time, "sleep", lambda s: clock.__setitem__(0, clock[0] + s))
+
+    class Never(comm.Communicator):
+        polls = 0
+
+        def done(self, handle):
+            self.polls += 1
+            return False
+
+    never = Never()
+    assert not never.wait(None, 1010.0)
+    assert 2000 < never.polls < 3000, f"{never.polls} polls in 10 s"
+    assert 1010.0 < clock[0] < 1010.0 + 1e-3, f"woke {clock[0] - 1010:.4f} s after the deadline"
+
+
+class FakeMpi:
+    """What :class:`~hvd_syncbn.transports.MpiCommunicator` asks of mpi4py, with a switch
+    for ``MPI_Finalize`` (as Horovod's thread calls it when a peer shuts Horovod down);
+    any request polled after it fails the test, as Open MPI aborts the job."""
+
+    IN_PLACE, SUM = object(), object()
+
+    def __init__(self) -> None:
+        self.finalized, self.after, self.COMM_WORLD = False, [], self
+
+    def Abort(self, code):
+        self.after += ["MPI_Abort"] if self.finalized else []
+
+    def Is_finalized(self):
+        return self.finalized
+
+    def request(self):
+        mpi = self
+
+        class Request:
+            def Test(self):
+                if mpi.finalized:
+                    mpi.after.append("MPI_Test")
+                return False
+
+            def Cancel(self):
+                mpi.after += ["MPI_Cancel"] if mpi.finalized else []
+
+            Wait = Cancel
+
+        return Request()
+
+    def Iallreduce(self, *args, **kw):
+        return self.request()
+
+    Isend = Irecv = Iallreduce
+
+
+def test_a_wait_whose_mpi_is_finalized_under_it_raises_without_calling_mpi(monkeypatch):
+    """A SyncBN wait over MPI while Horovod finalizes MPI (a peer exited): the wait, the
+    diagnosis and the abort at exit stop calling MPI, and the rank raises, saying so."""
+    monkeypatch.setattr(comm, "_aborted", [])
+    monkeypatch.setattr(comm.atexit, "register", lambda fn: None)
+    mpi = FakeMpi()
+    c = transports.MpiCommunicator.__new__(transports.MpiCommunicator)
+    c._mpi, c.comm, c.rank, c.size, c._rounds, c._side = mpi, mpi, 0, 2, 0, c
+    threading.Timer(0.2, lambda: setattr(mpi, "finalized", True)).start()
+    with pytest.raises(comm.SyncBatchNormError, match="RuntimeError: MPI was finalized while this rank waited"):
+        reduce(c, "bn", [1.0])
+    assert comm._aborted == [c]
+    comm._abort_at_exit()
+    assert mpi.after == [], f"called after MPI_Finalize: {mpi.after}"
+
+
+@pytest.fixture
+def rendezvous(monkeypatch):
+    """horovodrun's rendezvous store (the HTTP server it runs for Gloo), here in-process,
+    and its address in the environment as horovodrun sets it."""
+    http_server = pytest.importorskip("horovod.runner.http.http_server")
+    server = http_server.RendezvousServer()
+    port = server.start()
+    server.init([])
+    monkeypatch.setenv("HOROVOD_GLOO_RENDEZVOUS_ADDR", "127.0.0.1")
+    monkeypatch.setenv("HOROVOD_GLOO_RENDEZVOUS_PORT", str(port))
+    yield port
+    server.stop()
+
+
+def over_the_store(comms: list) -> list:
+    for c in comms:
+        c.side_comm = transports.rendezvous_rows(c.rank, c.size, 0)
+    return comms
+
+
+def test_under_horovodrun_the_diagnosis_names_a_silent_rank_through_the_rendezvous_store(rendezvous):
+    """Horovod's collectives need every rank; under horovodrun (Gloo) the diagnosis goes
+    through the launcher's store instead, row by row, and names the silent rank."""
+    out = run(3, lambda r, c: reduce(c, "bn", [1.0]) if r < 2 else None, comms=over_the_store(world(3)))
+    for r in (0, 1):
+        text = str(out[r])
+        assert ("ranks [0, 1] are waiting in layer 'bn' forward, step 0 (2 channels, 4D float32); "
+                "missing there: ranks [2]") in text, text
+        assert "rank 2 did not answer within the diagnosis time: not in a SyncBN collective" in text, text
+    out = run(3, lambda r, c: reduce(c, "bn" if r else "head", [1.0]), comms=over_the_store(world(3)))
+    for r in range(3):  # a second diagnosis, all ranks present: its own round in the store
+        assert "ranks [1, 2] are waiting in layer 'bn' forward" in str(out[r]) and "did not answer" not in str(out[r])
+
+
+def test_an_unreachable_store_says_the_diagnosis_failed(rendezvous, monkeypatch):
+    monkeypatch.setenv("HOROVOD_GLOO_RENDEZVOUS_PORT", "1")  # nothing listens there
+    out = run(2, lambda r, c: reduce(c, "bn", [1.0]) if r < 1 else None, comms=over_the_store(world(2)))
+    text = str(out[0])
+    assert "ranks [0] are waiting in layer 'bn' forward" in text, text
+    assert ("rank 1: no answer, as the diagnosis over horovodrun's rendezvous store failed (URLError: "
+            "<urlopen error [Errno 111] Connection refused>).") in text, text
