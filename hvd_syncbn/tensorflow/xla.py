@@ -28,7 +28,9 @@ _GET_API = "_ZN3xla3ffi12GetXlaFfiApiEv"  # xla::ffi::GetXlaFfiApi()
 _lock = threading.Lock()
 _lib: Optional[ctypes.CDLL] = None
 _world: Any = None  # the default communicator: a duplicate of MPI.COMM_WORLD
-_last: "weakref.WeakKeyDictionary[Any, tf.Tensor]" = weakref.WeakKeyDictionary()
+# Per graph being traced, the name of the last allreduce op in it (a name, not the op:
+# the op would keep its graph, the key, alive).
+_last: "weakref.WeakKeyDictionary[Any, str]" = weakref.WeakKeyDictionary()
 
 
 def available() -> Optional[str]:
@@ -191,10 +193,13 @@ def _previous() -> Optional[tf.Tensor]:
     """A scalar of the last allreduce traced into this graph (None eagerly or if none)."""
     if tf.executing_eagerly():
         return None
-    last = _last.get(tf.compat.v1.get_default_graph())
-    return None if last is None else last[0] if last.shape[0] else None
+    graph = tf.compat.v1.get_default_graph()
+    if graph not in _last:
+        return None
+    last = graph.get_operation_by_name(_last[graph]).outputs[0]
+    return last[0] if last.shape[0] else None
 
 
 def _remember(out: tf.Tensor) -> None:
     if not tf.executing_eagerly():
-        _last[tf.compat.v1.get_default_graph()] = out
+        _last[out.graph] = out.op.name

@@ -10,6 +10,7 @@
 // Operands: the buffer, then any number of ordering operands (ignored: they only make the
 // calls of one computation run in the order they were traced). Result: the sum.
 // It only sums: identity headers and checks are the caller's.
+
 // The C API only: no C++ bindings (Open MPI and MPICH would pull in libmpi_cxx).
 #define OMPI_SKIP_MPICXX 1
 #define MPICH_SKIP_MPICXX 1
@@ -19,7 +20,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstdint>
-#include <cstring>
+#include <cstdio>
 #include <string>
 #include <string_view>
 #include <thread>
