@@ -19,6 +19,7 @@ from typing import Any, Optional
 
 import tensorflow as tf
 
+from hvd_syncbn import launchers
 from hvd_syncbn.tensorflow.xla_build import BUILD_COMMAND, library_path
 
 TARGET = "hvd_syncbn_allreduce"
@@ -64,7 +65,8 @@ def _tensorflow_ffi() -> Optional[ctypes._CFuncPtr]:
 def load() -> ctypes.CDLL:
     """Load the library and register its handler with this process's XLA, once.
 
-    Raises ``RuntimeError`` saying what is missing (:func:`available`).
+    Raises ``RuntimeError`` saying what is missing (:func:`available`), or when the launch
+    has several processes but MPI's world only this one (horovodrun with Gloo, torchrun).
     """
     global _lib
     with _lock:
@@ -75,6 +77,10 @@ def load() -> ctypes.CDLL:
             raise RuntimeError(f"hvd_syncbn XLA allreduce: {reason}")
         from mpi4py import MPI  # initialises MPI before any collective
 
+        declared = launchers.world_size()
+        if declared and declared > 1 and MPI.COMM_WORLD.Get_size() == 1:  # e.g. horovodrun with Gloo
+            raise RuntimeError(f"hvd_syncbn XLA allreduce: {launchers.launcher()} started {declared} processes, "
+                               "but MPI sees this one alone: the XLA allreduce sums over MPI; launch with mpirun")
         lib = ctypes.CDLL(str(library_path()))
         lib.hvd_syncbn_xla_register.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_size_t]
         lib.hvd_syncbn_xla_stuck.restype = ctypes.c_int64

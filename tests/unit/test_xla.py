@@ -56,6 +56,15 @@ def test_tensorflow_without_the_ffi_getter(monkeypatch, cache):
     assert "exports no xla::ffi::GetXlaFfiApi" in xla.available()
 
 
+def test_refuses_a_launch_that_mpi_does_not_see(monkeypatch, cache):
+    """Under horovodrun with Gloo MPI starts as a world of one: summing over it would be local."""
+    fake_library()
+    monkeypatch.setenv("HOROVOD_RANK", "0")
+    monkeypatch.setenv("HOROVOD_SIZE", "2")
+    with pytest.raises(RuntimeError, match="horovodrun --gloo started 2 processes, but MPI sees this one alone"):
+        xla.load()
+
+
 @pytest.mark.skipif(shutil.which("g++") is None or shutil.which("mpicc") is None, reason="needs g++ and mpicc")
 def test_built_once_per_tensorflow_and_source(cache):
     path = xla_build.build()
