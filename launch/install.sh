@@ -110,8 +110,11 @@ fi
 
 # 5. The XLA allreduce of the Keras layer (a small C++ library, cached like the Horovod
 #    wheel, per TensorFlow version and source). Without it the layer does not run inside XLA.
-HVD_SYNCBN_CACHE="$CACHE" "$PY" -m hvd_syncbn.tensorflow.xla_build >/dev/null \
-  || log "the XLA allreduce did not build (see above): the Keras layer will not support jit_compile=True"
+#    (Its output only on failure: importing TensorFlow prints start-up lines.)
+if ! out=$(cd /tmp && HVD_SYNCBN_CACHE="$CACHE" "$PY" -m hvd_syncbn.tensorflow.xla_build 2>&1); then
+  echo "$out" >&2
+  log "the XLA allreduce did not build (above): the Keras layer will not support jit_compile=True"
+fi
 
 # 6. With HVD_SYNCBN_DROP_BUILD_DEPS=1 (the image), remove the build-only packages this
 #    run installed (compilers, headers, cmake).
