@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Idempotent set-up from nothing: OpenMPI, .venv/ with torch, TensorFlow and Horovod.
+# Idempotent set-up from nothing: OpenMPI, .venv/ with torch, TensorFlow and Horovod, and
+# the XLA allreduce.
 # Used by the README's commands, .ci/run and the Dockerfile. A second run takes seconds:
-# the Horovod wheel is built once and cached outside the checkout.
+# the Horovod wheel and the XLA allreduce are built once and cached outside the checkout.
 set -euo pipefail
 
 HOROVOD_VERSION=${HOROVOD_VERSION:-0.28.1}
@@ -107,7 +108,15 @@ if [ "$here" != "$ROOT" ]; then
     || "$PY" -m pip install --no-deps --no-build-isolation -e "$ROOT"
 fi
 
-# 5. With HVD_SYNCBN_DROP_BUILD_DEPS=1 (the image), remove the build-only packages this
+# 5. The XLA allreduce of the Keras layer (a small C++ library, cached like the Horovod
+#    wheel, per TensorFlow version and source). Without it the layer does not run inside XLA.
+#    (Its output only on failure: importing TensorFlow prints start-up lines.)
+if ! out=$(cd /tmp && HVD_SYNCBN_CACHE="$CACHE" "$PY" -m hvd_syncbn.tensorflow.xla_build 2>&1); then
+  echo "$out" >&2
+  log "the XLA allreduce did not build (above): the Keras layer will not support jit_compile=True"
+fi
+
+# 6. With HVD_SYNCBN_DROP_BUILD_DEPS=1 (the image), remove the build-only packages this
 #    run installed (compilers, headers, cmake).
 if [ "${HVD_SYNCBN_DROP_BUILD_DEPS:-0}" = 1 ]; then
   build_only=()
@@ -120,7 +129,7 @@ if [ "${HVD_SYNCBN_DROP_BUILD_DEPS:-0}" = 1 ]; then
   fi
 fi
 
-# 6. A check that Horovod has everything we use.
+# 7. A check that Horovod has everything we use.
 check=$(PATH="$VENV/bin:$PATH" TF_CPP_MIN_LOG_LEVEL=3 "$VENV/bin/horovodrun" --check-build 2>/dev/null)
 for want in TensorFlow PyTorch MPI Gloo; do
   grep -q "\[X\] $want" <<<"$check" || { echo "$check" >&2; die "horovodrun --check-build lacks $want"; }

@@ -46,11 +46,12 @@ CASES = [  # framework, scenario, launcher, world, what every rank's message mus
 RESULT = re.compile(r"RESULT rank=(\d+) elapsed=([\d.]+) error=(\w+)\n(.*?)(?=\nRESULT|\Z)", re.S)
 
 
-def launch(args: list, launcher: str, world: int, timeout: float = 120) -> tuple:
-    """Run ``args`` at ``world`` ranks; ``(exit code, {rank: its output})``, ranks'
-    outputs kept apart (horovodrun prefixes lines, mpirun writes a file per rank)."""
+def launch(args: list, launcher: str, world: int, timeout: float = 120, seconds: float = T) -> tuple:
+    """Run ``args`` at ``world`` ranks with ``HVD_SYNCBN_TIMEOUT=seconds``; ``(exit code,
+    {rank: its output})``, ranks' outputs kept apart (horovodrun prefixes lines, mpirun
+    writes a file per rank)."""
     env = clean_env()
-    env["HVD_SYNCBN_TIMEOUT"] = str(T)
+    env["HVD_SYNCBN_TIMEOUT"] = str(seconds)
     tmp = Path(os.environ.get("TMPDIR", "/tmp")) / f"hvd_syncbn_fail_{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     cmd = launch_command(launcher, world)
@@ -97,6 +98,22 @@ def test_keras_bad_input_alone_raises_plain_value_error():
     out = subprocess.run([sys.executable, "-c", check], env=clean_env(), capture_output=True, text=True,
                          timeout=120)
     assert "b: expected 4 channels on axis 1, got 3" in out.stdout, out.stdout + out.stderr[-2000:]
+
+
+def test_xla_allreduce_without_a_peer_fails_in_time_naming_it():
+    """Inside jit_compile=True rank 1 never joins: rank 0 raises within 2·T naming the
+    collective, and the job ends (rank 1 would sleep 600 s)."""
+    seconds, start = 3.0, time.monotonic()
+    rc, logs, raw = launch(["tests/xla_missing_peer.py"], "mpirun", 2, seconds=seconds)
+    took = time.monotonic() - start
+    assert rc != 0, raw[-3000:]
+    found = RESULT.findall(logs.get(0, ""))
+    assert found, f"rank 0 reported no error:\n{logs.get(0, raw)[-3000:]}"
+    _, elapsed, error, message = found[0]
+    assert error == "DeadlineExceededError", f"{error}: {message[:2000]}"
+    assert "hvd_syncbn.test.missing_peer: the other ranks did not join within 3 s" in message, message[:2000]
+    assert float(elapsed) <= 2 * seconds, f"rank 0 took {elapsed} s (timeout {seconds} s)"
+    assert took < 90, f"the job took {took:.0f} s to end"
 
 
 # -------------------------------------------- a rank killed; the demo resumes

@@ -24,6 +24,7 @@ TF = "tests/ranks_tf.py"
 KERAS_BN = "tests/ranks_keras_bn.py"
 KERAS_DEFAULTS = "tests/ranks_keras_defaults.py"
 KERAS_MODELS = "tests/ranks_keras_models.py"
+XLA = "tests/ranks_xla.py"  # the XLA allreduce: over MPI, so plainly and under mpirun
 SLOW = (MODELS, KERAS_MODELS)
 COMPILE = "tests/ranks_compile.py"
 # ranks_torch.py and ranks_models.py make process sets, which Horovod allows only when
@@ -45,12 +46,13 @@ LAUNCHES = [
     (TORCH + [MODELS], "mpirun", 3, "", SETS),
     # The Keras suite likewise (its real models and optimizers under mpirun at 2 and 3);
     # Keras's own BN tests with our layer swapped in, and Keras's defaults on a GPU
-    # machine, join it at 2 ranks on both default transports.
-    ([TF], "plain", 1, "", {}),
+    # machine, join it at 2 ranks on both default transports; the XLA allreduce (MPI
+    # only) at 1 rank and under mpirun.
+    ([TF, XLA], "plain", 1, "", {}),
     ([TF, KERAS_BN, KERAS_DEFAULTS], "horovodrun-gloo", 2, "", {}),
-    ([TF, KERAS_BN, KERAS_DEFAULTS, KERAS_MODELS], "mpirun", 2, "", {}),
+    ([TF, KERAS_BN, KERAS_DEFAULTS, KERAS_MODELS, XLA], "mpirun", 2, "", {}),
     ([TF], "horovodrun-gloo", 3, "", {}),
-    ([TF, KERAS_MODELS], "mpirun", 3, "", {}),
+    ([TF, KERAS_MODELS, XLA], "mpirun", 3, "", {}),
     # The other transports: Horovod's MPI controller under mpirun, torch.distributed (Gloo).
     (TORCH, "mpirun", 2, "horovod", SETS),
     ([TF], "mpirun", 2, "horovod", {}),

@@ -95,6 +95,7 @@ def test_wheel_installs_into_a_fresh_venv_and_syncs_two_ranks(tmp_path):
     with zipfile.ZipFile(wheel) as whl:
         wheel_files = set(whl.namelist())
     assert "hvd_syncbn/py.typed" in wheel_files and "hvd_syncbn/torch/__init__.py" in wheel_files
+    assert "hvd_syncbn/tensorflow/xla_allreduce.cc" in wheel_files  # xla_build compiles it where installed
     assert any(n.endswith(".dist-info/licenses/LICENSE") for n in wheel_files), sorted(wheel_files)
 
     # A fresh venv beside the project's, the wheel installed with pip (from the project's

@@ -1,0 +1,211 @@
+"""A float64 allreduce (sum) over MPI that runs inside ``tf.function(jit_compile=True)`` on CPU.
+
+An XLA FFI handler (``xla_allreduce.cc``, built by :mod:`hvd_syncbn.tensorflow.xla_build`)
+registered for XLA's ``"Host"`` platform, emitted as a StableHLO ``custom_call``
+(``api_version = 4``, typed FFI) inside an ``XlaCallModule`` op. It sums with
+``MPI_Iallreduce`` polled with ``MPI_Test`` until a deadline, then fails naming the
+collective. It only sums: identity headers and checks are the caller's. Outside XLA the
+same op still runs: TensorFlow compiles it on its own (eager and plain ``tf.function``).
+"""
+
+from __future__ import annotations
+
+import atexit
+import ctypes
+import os
+import threading
+import weakref
+from typing import Any, Optional
+
+import tensorflow as tf
+
+from hvd_syncbn import launchers
+from hvd_syncbn.tensorflow.xla_build import BUILD_COMMAND, library_path
+
+TARGET = "hvd_syncbn_allreduce"
+# TensorFlow exports the FFI API table's getter as a C++ function (xla/ffi/ffi_api.h);
+# there is no C symbol for it. Only this name depends on TensorFlow's C++ ABI.
+_GET_API = "_ZN3xla3ffi12GetXlaFfiApiEv"  # xla::ffi::GetXlaFfiApi()
+_lock = threading.Lock()
+_lib: Optional[ctypes.CDLL] = None
+_world: Any = None  # the default communicator: a duplicate of MPI.COMM_WORLD
+# Per graph being traced, the name of the last allreduce op in it (a name, not the op:
+# the op would keep its graph, the key, alive).
+_last: "weakref.WeakKeyDictionary[Any, str]" = weakref.WeakKeyDictionary()
+
+
+def available() -> Optional[str]:
+    """``None`` when :func:`allreduce` can run here, else why not (and what to do)."""
+    try:
+        import mpi4py  # noqa: F401
+    except ImportError:
+        return "mpi4py is not installed: pip install mpi4py (it needs an MPI library, e.g. Open MPI)"
+    if tf.config.list_physical_devices("GPU"):
+        return ("a GPU is visible: the XLA allreduce has a host (CPU) target only; no CUDA target "
+                "is shipped")
+    if not library_path().exists():
+        return (f"the XLA allreduce is not built for TensorFlow {tf.__version__} (no {library_path()}): "
+                f"run {BUILD_COMMAND} (launch/install.sh does)")
+    if _tensorflow_ffi() is None:
+        return f"this TensorFlow ({tf.__version__}) exports no xla::ffi::GetXlaFfiApi to register an XLA FFI handler"
+    return None
+
+
+def _tensorflow_ffi() -> Optional[ctypes._CFuncPtr]:
+    """TensorFlow's ``xla::ffi::GetXlaFfiApi`` (in ``libtensorflow_cc``), or None."""
+    path = os.path.join(os.path.dirname(tf.__file__), "libtensorflow_cc.so.2")
+    try:
+        getter = ctypes.CDLL(path)[_GET_API]
+    except (OSError, AttributeError):
+        return None
+    getter.restype = ctypes.c_void_p
+    return getter
+
+
+def load() -> ctypes.CDLL:
+    """Load the library and register its handler with this process's XLA, once.
+
+    Raises ``RuntimeError`` saying what is missing (:func:`available`), or when the launch
+    has several processes but MPI's world only this one (horovodrun with Gloo, torchrun).
+    """
+    global _lib
+    with _lock:
+        if _lib is not None:
+            return _lib
+        reason = available()
+        if reason is not None:
+            raise RuntimeError(f"hvd_syncbn XLA allreduce: {reason}")
+        from mpi4py import MPI  # initialises MPI before any collective
+
+        declared = launchers.world_size()
+        if declared and declared > 1 and MPI.COMM_WORLD.Get_size() == 1:  # e.g. horovodrun with Gloo
+            raise RuntimeError(f"hvd_syncbn XLA allreduce: {launchers.launcher()} started {declared} processes, "
+                               "but MPI sees this one alone: the XLA allreduce sums over MPI; launch with mpirun")
+        lib = ctypes.CDLL(str(library_path()))
+        lib.hvd_syncbn_xla_register.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_size_t]
+        lib.hvd_syncbn_xla_stuck.restype = ctypes.c_int64
+        error = ctypes.create_string_buffer(1024)
+        if lib.hvd_syncbn_xla_register(_tensorflow_ffi()(), TARGET.encode(), error, len(error)) != 0:
+            raise RuntimeError(f"hvd_syncbn XLA allreduce: registering {TARGET!r} with XLA failed: "
+                               f"{error.value.decode(errors='replace')}")
+        atexit.register(_abort_if_stuck, lib, MPI)
+        _lib = lib
+        return lib
+
+
+def _abort_if_stuck(lib: ctypes.CDLL, MPI: Any) -> None:
+    """A timed-out collective is still pending in MPI (collectives cannot be cancelled):
+    abort rather than hang in ``MPI_Finalize``."""
+    if lib.hvd_syncbn_xla_stuck() > 0:
+        MPI.COMM_WORLD.Abort(1)
+
+
+def default_comm() -> Any:
+    """The communicator :func:`allreduce` uses by default: one duplicate of ``COMM_WORLD``."""
+    global _world
+    with _lock:
+        if _world is None:
+            from mpi4py import MPI
+
+            _world = MPI.COMM_WORLD.Dup()
+        return _world
+
+
+def in_xla() -> bool:
+    """Whether the code being traced is inside an XLA compilation context
+    (``jit_compile=True`` or an XLA cluster). Uses TensorFlow's internal
+    ``control_flow_util.GraphOrParentsInXlaContext``."""
+    from tensorflow.python.framework import ops
+    from tensorflow.python.ops import control_flow_util
+
+    return control_flow_util.GraphOrParentsInXlaContext(ops.get_default_graph())
+
+
+@tf.autograph.experimental.do_not_convert
+def allreduce(buf: Any, name: str, comm: Any = None, timeout: Optional[float] = None) -> tf.Tensor:
+    """Sum a 1-D float64 tensor over the ranks of ``comm``; a tensor of the same shape.
+
+    Inside ``jit_compile=True`` it is one XLA custom call; eagerly and in a plain
+    ``tf.function`` TensorFlow compiles the op alone. Calls traced into one graph run in
+    the order they were traced (each takes the previous one's result as an extra operand).
+
+    Args:
+        buf: 1-D float64 tensor of a static length.
+        name: The collective's name, in the error when the other ranks do not join.
+        comm: An mpi4py communicator, which must outlive the compiled function (default:
+            :func:`default_comm`, a duplicate of ``COMM_WORLD``). Every rank of it must
+            run the same calls in the same order.
+        timeout: Seconds to wait for the other ranks (default:
+            :func:`hvd_syncbn.comm.get_timeout`, ``$HVD_SYNCBN_TIMEOUT``); fixed when traced.
+
+    Raises:
+        RuntimeError: the library is not available (:func:`available` says why).
+        ValueError: ``buf`` is not a 1-D float64 tensor of a static length.
+        tf.errors.DeadlineExceededError: when run, if the other ranks did not join in time.
+    """
+    from mpi4py import MPI
+    from tensorflow.compiler.tf2xla.ops import gen_xla_ops
+    from tensorflow.compiler.tf2xla.python import xla as tf_xla
+
+    from hvd_syncbn.comm import get_timeout
+
+    load()
+    buf = tf.convert_to_tensor(buf)
+    if buf.dtype != tf.float64 or buf.shape.rank != 1 or buf.shape[0] is None:
+        raise ValueError(f"allreduce {name!r}: expected a 1-D float64 tensor of a static length, "
+                         f"got {buf.dtype.name} of shape {buf.shape}")
+    timeout = get_timeout() if timeout is None else float(timeout)
+    handle = MPI._handleof(default_comm() if comm is None else comm)
+    order = _previous()
+    operands = [buf] + ([order] if order is not None else [])  # the buffer, then what it follows
+    attributes = f"comm = {handle} : i64, timeout = {timeout:.6e} : f64, name = {_mlir_string(name)}"
+    (out,) = gen_xla_ops.xla_call_module(
+        operands, version=tf_xla.call_module_maximum_supported_version(), module=_module(operands, attributes),
+        Sout=[buf.shape], Tout=[tf.float64], platforms=["CPU"], name="hvd_syncbn_xla_allreduce")
+    _remember(out)
+    return out
+
+
+def _module(operands: list, attributes: str) -> bytes:
+    """A serialized StableHLO module whose ``main`` is our custom call on ``operands``,
+    with the typed-FFI ``attributes`` (an MLIR dictionary's body)."""
+    from tensorflow.compiler.mlir.stablehlo import stablehlo
+
+    types = [_mlir_type(t) for t in operands]
+    params = ", ".join(f"%arg{i}: {t}" for i, t in enumerate(types))
+    args = ", ".join(f"%arg{i}" for i in range(len(types)))
+    result = types[0]
+    text = f"""module @hvd_syncbn {{
+  func.func public @main({params}) -> {result} {{
+    %0 = stablehlo.custom_call @{TARGET}({args}) {{api_version = 4 : i32, has_side_effect = true,
+        backend_config = {{{attributes}}}}} : ({", ".join(types)}) -> {result}
+    return %0 : {result}
+  }}
+}}"""
+    return stablehlo.serialize_portable_artifact_str(text, stablehlo.get_current_version())
+
+
+def _mlir_type(t: tf.Tensor) -> str:
+    return f"tensor<{t.shape[0]}xf64>" if t.shape.rank == 1 else "tensor<f64>"
+
+
+def _mlir_string(text: str) -> str:
+    """``text`` as an MLIR string literal (bytes other than printable ASCII as ``\\XX``)."""
+    return '"' + "".join(chr(b) if 32 <= b < 127 and chr(b) not in '"\\' else f"\\{b:02X}"
+                         for b in text.encode("utf-8")) + '"'
+
+
+def _previous() -> Optional[tf.Tensor]:
+    """A scalar of the last allreduce traced into this graph (None eagerly or if none)."""
+    if tf.executing_eagerly():
+        return None
+    graph = tf.compat.v1.get_default_graph()
+    if graph not in _last:
+        return None
+    last = graph.get_operation_by_name(_last[graph]).outputs[0]
+    return last[0] if last.shape[0] else None
+
+
+def _remember(out: tf.Tensor) -> None:
+    if not tf.executing_eagerly():
+        _last[out.graph] = out.op.name
