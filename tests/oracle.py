@@ -172,15 +172,16 @@ class TorchTrainer:
 
 
 class KerasTrainer:
-    """One step of a Keras BN layer (in a ``tf.function`` if ``compiled``): input and
-    ``r`` in the layer's variable dtype, loss ``Σ y·r``; returns the output, the input
-    gradient, γ's and β's gradients and the moving statistics."""
+    """One step of a Keras BN layer (in a ``tf.function`` if ``compiled``, compiled by
+    XLA if ``"xla"``): input and ``r`` in the layer's variable dtype, loss ``Σ y·r``;
+    returns the output, the input gradient, γ's and β's gradients and the moving statistics."""
 
-    def __init__(self, layer, compiled: bool = False) -> None:
+    def __init__(self, layer, compiled: Any = False) -> None:
         import tensorflow as tf
 
         self.layer, self.tf = layer, tf
-        self._step = tf.function(self._forward_backward) if compiled else self._forward_backward
+        self._step = (tf.function(self._forward_backward, jit_compile=compiled == "xla") if compiled
+                      else self._forward_backward)
 
     def _forward_backward(self, x, r, m):
         layer, tf = self.layer, self.tf

@@ -20,10 +20,11 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
+from hvd_syncbn import launchers  # noqa: E402
 from hvd_syncbn.comm import SyncBatchNormError  # noqa: E402
 from hvd_syncbn.tensorflow import (  # noqa: E402
     BroadcastGlobalVariablesCallback, CheckSyncBatchNorm, DistributedOptimizer, MetricAverageCallback,
-    SyncBatchNormalization, check, convert_sync_batchnorm, sync_batch_normalization,
+    SyncBatchNormalization, check, convert_sync_batchnorm, sync_batch_normalization, xla,
 )
 from keras_models import small_model  # noqa: E402
 from oracle import (  # noqa: E402
@@ -520,6 +521,29 @@ def test_single_global_row_raises_on_every_rank(compiled):
     with pytest.raises((ValueError, tf.errors.InvalidArgumentError), match="expected more than 1 value per channel"):
         call(tf.ones((1 if RANK == 0 else 0, 4)))
     assert_weights_unchanged(bn, before, "single global row")
+
+
+XLA_CASES = {name: CASES[name] for name in ("channels-last-4d", "channels-first-4d", "mask", "renorm")}
+# Inside XLA the statistics travel over MPI (hvd_syncbn's XLA allreduce), which a
+# horovodrun --gloo job does not have: there the layer says so.
+GLOO = (launchers.launcher() or "").startswith("horovodrun --gloo")
+
+
+@pytest.mark.parametrize("case", XLA_CASES)
+def test_inside_xla_matches_keras_bn_on_global_batch(case):
+    """``tf.function(jit_compile=True)`` of forward and backward, the default ``stats``
+    (the device path inside XLA): as close to Keras BN on the global batch as on the
+    other paths; the compiled function holds our custom calls, no host hop."""
+    c = XLA_CASES[case]
+    sync, plain = make_pair(c["tail"], c.get("axis", -1), **c.get("kwargs", {}))
+    assert sync.supports_jit, xla.available()
+    if GLOO:
+        with pytest.raises(Exception, match="the XLA allreduce sums over MPI; launch with mpirun"):
+            run_steps(sync, plain, c["tail"], c["pattern"], compiled="xla", mask=c.get("mask", False))
+        return
+    run_steps(sync, plain, c["tail"], c["pattern"], compiled="xla", mask=c.get("mask", False),
+              scale=c.get("scale", 1.0))
+    check(sync)
 
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "tf-function"])

@@ -11,7 +11,7 @@ import tensorflow as tf
 
 from hvd_syncbn import backend
 from hvd_syncbn.comm import Communicator, make_call, poison
-from hvd_syncbn.tensorflow import transports
+from hvd_syncbn.tensorflow import transports, xla
 from hvd_syncbn.tensorflow.device import DeferredChecks, GraphReducer
 from hvd_syncbn.tensorflow.functional import (
     GraphChecks, _ops, _per_channel, _scale_shift, _split_axes, _sync_normalize, channel_count, host_reduce,
@@ -33,15 +33,16 @@ class SyncBatchNormalization(keras.layers.BatchNormalization):
 
     The statistics take one of two paths (``stats``). On the host path they cross ranks
     through ``tf.numpy_function`` with the transport's deadline and diagnosis. On the
-    device path they stay TF tensors on the input's device and Horovod's graph op sums
-    them (NCCL where Horovod has GPU support): no host hop in the step; its checks are
-    deferred flags that :func:`~hvd_syncbn.tensorflow.check` or the
+    device path they stay TF tensors on the input's device, summed by Horovod's graph op
+    (NCCL where Horovod has GPU support) or, inside XLA on the CPU, by hvd_syncbn's XLA
+    allreduce over MPI (:mod:`hvd_syncbn.tensorflow.xla`): no host hop in the step. Its
+    checks are deferred flags that :func:`~hvd_syncbn.tensorflow.check` or the
     :class:`~hvd_syncbn.tensorflow.CheckSyncBatchNorm` callback raises, naming the
-    layers, and a flagged step leaves the moving statistics alone. Neither path runs
-    inside XLA: the layer sets ``supports_jit = False``, so Keras's default
-    ``jit_compile="auto"`` (XLA where a GPU is listed) trains without XLA, and inside a
-    ``tf.function(jit_compile=True)`` it raises ``ValueError`` saying to pass
-    ``jit_compile=False``.
+    layers, and a flagged step leaves the moving statistics alone.
+
+    ``supports_jit`` is true only where the XLA allreduce is built and no GPU is listed
+    (it has no CUDA target): on a GPU machine Keras's default ``jit_compile="auto"`` then
+    trains without XLA, on the device path.
 
     Args:
         axis: the channel axis, or a list of axes (their sizes form the channels).
@@ -100,9 +101,17 @@ class SyncBatchNormalization(keras.layers.BatchNormalization):
         self.check_finite = bool(check_finite)
         self.stats = backend.stats_choice("SyncBatchNormalization", stats)
         transports.REGISTRY.requested(comm, "SyncBatchNormalization")
-        # The statistics cross on the host, which XLA cannot compile: Keras's default
-        # jit_compile="auto" (XLA where a GPU is listed) then resolves to False.
-        self.supports_jit = False
+
+    @property
+    def supports_jit(self) -> bool:
+        """Whether this layer runs inside XLA: on the device path where the XLA allreduce is
+        built and no GPU is listed (it has no CUDA target). Keras's default
+        ``jit_compile="auto"`` (XLA where a GPU is listed) thus resolves to False."""
+        return self._jit_allowed and self.stats != "host" and xla.available() is None
+
+    @supports_jit.setter
+    def supports_jit(self, value) -> None:  # Keras's Layer.__init__ sets True; False opts out
+        self._jit_allowed = bool(value)
 
     def build(self, input_shape):
         ndim = len(input_shape)
@@ -211,15 +220,16 @@ class SyncBatchNormalization(keras.layers.BatchNormalization):
                             x.dtype.name, self._sync_errors), DeferredChecks()
 
     def _on_device(self) -> bool:
-        """Whether this call takes the device path: ``stats="device"``, or ``"auto"`` on a
-        machine with a GPU (outside ``tf.distribute`` replicas, which the host path merges)."""
+        """Whether this call takes the device path: ``stats="device"``, or ``"auto"`` inside
+        XLA or on a machine with a GPU (outside ``tf.distribute`` replicas, which the host
+        path merges)."""
         ctx = tf.distribute.get_replica_context()
         replicas = ctx is not None and ctx.num_replicas_in_sync > 1
         if self.stats == "device" and replicas:
             raise ValueError(f"{self.name}: stats='device' does not run inside tf.distribute replicas (got "
                              f"{ctx.num_replicas_in_sync}); use stats='host' or 'auto' there")
-        return self.stats == "device" or (self.stats == "auto" and not replicas
-                                          and bool(tf.config.list_logical_devices("GPU")))
+        return self.stats == "device" or (self.stats == "auto" and not replicas and (
+            xla.in_xla() or bool(tf.config.list_logical_devices("GPU"))))
 
     def _renorm_correction(self, mean: tf.Tensor, var: tf.Tensor) -> Tuple[tf.Tensor, tf.Tensor]:
         """Batch renormalization's ``(r, d)`` from the global statistics, by Keras's own

@@ -1,8 +1,9 @@
 """The Keras layer's device path: the statistics stay TF tensors on the input's device,
 the collective is a graph op, the checks are deferred flags; no host hop in the step.
 
-The buffers are summed by Horovod's allreduce (NCCL where Horovod has GPU support).
-Each carries a static identity header (:func:`hvd_syncbn.comm.static_header`): where the
+The buffers are summed by Horovod's allreduce (NCCL where Horovod has GPU support), and
+inside XLA (``jit_compile=True``, CPU) by hvd_syncbn's XLA allreduce over MPI
+(:mod:`hvd_syncbn.tensorflow.xla`), whose wait ends at the timeout. Each carries a static identity header (:func:`hvd_syncbn.comm.static_header`): where the
 ranks summed different collectives the buffer comes back NaN, which the checks read as
 the mismatch flag. The flags (:mod:`hvd_syncbn.deferred`) accumulate in each layer's
 ``_sync_errors`` variable; :func:`check` and :class:`CheckSyncBatchNorm` raise them.
@@ -15,9 +16,10 @@ from typing import Any, Iterator, Sequence
 import keras
 import tensorflow as tf
 
-from hvd_syncbn.comm import HEADER, Communicator, static_header
+from hvd_syncbn.comm import HEADER, Communicator, get_timeout, static_header
 from hvd_syncbn.deferred import FLAGS, raise_seen
-from hvd_syncbn.tensorflow import transports
+from hvd_syncbn.tensorflow import transports, xla
+from hvd_syncbn.transports import MpiCommunicator
 
 
 class DeferredChecks:
@@ -40,9 +42,10 @@ class DeferredChecks:
 
 
 class GraphReducer:
-    """Sums a float64 buffer over the ranks of ``comm``'s group by Horovod's graph op,
-    behind a static header; a header that does not sum up makes the buffer NaN and sets
-    the mismatch flag in ``errors`` (the layer's ``_sync_errors``), in either direction.
+    """Sums a float64 buffer over the ranks of ``comm``'s group by a graph op (Horovod's
+    allreduce; inside XLA, :func:`hvd_syncbn.tensorflow.xla.allreduce` over MPI), behind
+    a static header; a header that does not sum up makes the buffer NaN and sets the
+    mismatch flag in ``errors`` (the layer's ``_sync_errors``), in either direction.
 
     A rank whose shard is statically empty has a constant buffer, and Grappler folds
     constants through Horovod's op (it is not stateful): the collective would run while
@@ -53,25 +56,39 @@ class GraphReducer:
 
     def __init__(self, comm: Communicator, process_set: Any, layer: str, channels: int, ndim: int, dtype: str,
                  errors: tf.Variable) -> None:
-        self.hvd = transports.horovod(f"{layer}: the device path (stats='device')")
-        if not self.hvd.is_initialized():
-            raise RuntimeError(f"{layer}: the device path (stats='device') sums with Horovod's graph op; call "
-                               "hvd.init() first, or use stats='host'")
-        self.size = comm.size
-        self.process_set = getattr(comm, "ps", None) or transports.resolve_process_set(process_set)
-        self.identity, self.errors = (layer, channels, ndim, dtype), errors
+        self.comm, self.process_set, self.errors = comm, process_set, errors
+        self.identity = (layer, channels, ndim, dtype)
 
     def __call__(self, buf: tf.Tensor, direction: str) -> tf.Tensor:
-        layer = self.identity[0]
-        head = static_header(layer, direction, *self.identity[1:], self.size)
+        layer, size = self.identity[0], self.comm.size
+        head = static_header(layer, direction, *self.identity[1:], size)
         unfoldable = tf.cast(self.errors[0], tf.float64) * 0.0
         full = tf.concat([tf.constant(head, tf.float64) + unfoldable, tf.cast(buf, tf.float64)], 0)
-        out = self.hvd.allreduce(full, op=self.hvd.Sum, name=f"hvd_syncbn.{layer}.{direction}",
-                                 process_set=self.process_set)
-        mixed = tf.logical_or(out[0] != self.size * head[0], out[1] != self.size * head[1])
+        out = self._sum(full, f"hvd_syncbn.{layer}.{direction}")
+        mixed = tf.logical_or(out[0] != size * head[0], out[1] != size * head[1])
         flag = tf.cast(tf.stack([mixed] + [False] * (len(FLAGS) - 1)), self.errors.dtype)
         with tf.control_dependencies([self.errors.assign(tf.maximum(self.errors, flag))]):
             return tf.where(mixed, tf.constant(float("nan"), tf.float64), out[HEADER:])
+
+    def _sum(self, full: tf.Tensor, name: str) -> tf.Tensor:
+        layer = self.identity[0]
+        if xla.in_xla():
+            return xla.allreduce(full, name, comm=self._mpi(layer), timeout=get_timeout())
+        hvd = transports.horovod(f"{layer}: the device path (stats='device') outside XLA")
+        if not hvd.is_initialized():
+            raise RuntimeError(f"{layer}: the device path (stats='device') sums with Horovod's graph op outside "
+                               "XLA; call hvd.init() first, or use stats='host'")
+        ps = getattr(self.comm, "ps", None) or transports.resolve_process_set(self.process_set)
+        return hvd.allreduce(full, op=hvd.Sum, name=name, process_set=ps)
+
+    def _mpi(self, layer: str) -> Any:
+        """The mpi4py communicator of the layer's group, for the XLA allreduce."""
+        if isinstance(self.comm, MpiCommunicator):
+            return self.comm.comm
+        if self.process_set is None:
+            return xla.default_comm()
+        raise ValueError(f"{layer}: inside XLA the statistics travel over MPI; a Horovod process set "
+                         f"({self.process_set!r}) needs comm='mpi' under mpirun")
 
 
 def _sync_layers(model: keras.layers.Layer) -> Iterator[keras.layers.Layer]:

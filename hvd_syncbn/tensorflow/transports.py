@@ -13,7 +13,6 @@ from typing import Any, Optional
 
 import numpy as np
 import tensorflow as tf
-from tensorflow.python.ops import control_flow_util
 
 from hvd_syncbn.comm import Communicator
 from hvd_syncbn.transports import HorovodTransport, MpiTransport, Registry, Request, not_a_member, rendezvous_rows
@@ -102,7 +101,9 @@ def refuse_xla(what: str) -> None:
     on the host (``tf.numpy_function``, Horovod's ops), which XLA cannot compile. Checked
     at every world size, so that one rank fails as eight would. (TF has no public test
     for an XLA trace; ``tf.function`` marks one with this context.)"""
-    if control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph()):
+    from hvd_syncbn.tensorflow import xla
+
+    if xla.in_xla():
         raise ValueError(
             f"{what} cannot run inside XLA yet (expected jit_compile=False, got a function compiled with "
             "jit_compile=True): its collectives run on the host. Keras 3 turns XLA on by default where a GPU is "

@@ -169,16 +169,36 @@ def test_config_says_it_synchronizes_and_round_trips(synchronized):
     assert keras.layers.deserialize(keras.layers.serialize(layer)).get_config() == config
 
 
-def test_layer_under_xla_says_to_turn_it_off():
-    """An explicit jit_compile=True: Keras's compile falls back with its own warning; a
-    tf.function(jit_compile=True) of the user's own raises ours, naming the layer."""
-    model = small_model(SyncBatchNormalization)
+def test_host_path_under_xla_says_to_turn_it_off():
+    """stats='host' with an explicit jit_compile=True: Keras's compile falls back with its
+    own warning; a tf.function(jit_compile=True) of the user's own raises ours, naming the layer."""
+    model = small_model(lambda name: SyncBatchNormalization(name=name, stats="host"))
     with pytest.warns(UserWarning, match="Model doesn't support `jit_compile=True`"):
         model.compile(optimizer="sgd", loss="mse", jit_compile=True)
     assert model.jit_compile is False
     step = tf.function(lambda x: model(x, training=True), jit_compile=True)
     with pytest.raises(ValueError, match=r"SyncBatchNormalization 'stem_bn' cannot run inside XLA yet"):
         step(global_batch(42, 2, (8, 8, 3)))
+
+
+def test_default_stats_run_inside_xla_where_the_xla_allreduce_is_built():
+    """The default stats on this (CPU) machine, where launch/install.sh built the XLA
+    allreduce: the layer supports XLA, Keras keeps jit_compile=True, and a compiled
+    training step equals Keras BN (alone: the same statistics)."""
+    from hvd_syncbn.tensorflow import xla
+
+    assert xla.available() is None, xla.available()
+    model = small_model(SyncBatchNormalization)
+    plain = small_model()
+    plain.set_weights(model.get_weights())
+    model.compile(optimizer="sgd", loss="mse", jit_compile=True)
+    assert model.jit_compile is True
+    x = tf.constant(global_batch(42, 4, (8, 8, 3)))
+    got = tf.function(lambda t: model(t, training=True), jit_compile=True)(x)
+    assert_close(got, plain(x, training=True), "compiled output, alone", rtol=1e-5, atol=1e-5)
+    opted_out = SyncBatchNormalization()
+    opted_out.supports_jit = False  # a user's choice stands
+    assert not opted_out.supports_jit and not SyncBatchNormalization(stats="host").supports_jit
 
 
 @pytest.fixture
