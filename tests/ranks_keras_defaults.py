@@ -53,12 +53,12 @@ def test_plain_bn_and_distributed_optimizer_with_default_compile_on_a_gpu_machin
         return slice(step * rows + r * per_rank, step * rows + (r + 1) * per_rank)
 
     mine = np.concatenate([np.arange(rows * steps)[shard(RANK, s)] for s in range(steps)])
-    with gpu_listed():
+    with gpu_listed():  # (through fit too: on a GPU machine the XLA allreduce has no target)
         model.compile(optimizer=DistributedOptimizer(OPTIMIZERS["sgd"]()), loss="mse")
-    assert model.jit_compile is True, "a listed GPU no longer turns XLA on: this test no longer tests it"
-    with pytest.warns(UserWarning, match="DistributedOptimizer: Horovod's allreduce has no XLA kernel"):
-        hist = model.fit(x_all[mine], y_all[mine], batch_size=per_rank, shuffle=False, verbose=0,
-                         callbacks=[BroadcastGlobalVariablesCallback(0), MetricAverageCallback()])
+        assert model.jit_compile is True, "a listed GPU no longer turns XLA on: this test no longer tests it"
+        with pytest.warns(UserWarning, match="DistributedOptimizer: Horovod's allreduce has no XLA kernel"):
+            hist = model.fit(x_all[mine], y_all[mine], batch_size=per_rank, shuffle=False, verbose=0,
+                             callbacks=[BroadcastGlobalVariablesCallback(0), MetricAverageCallback()])
     assert model.jit_compile is False
 
     optimizer, mse, losses = OPTIMIZERS["sgd"](), keras.losses.MeanSquaredError(), []

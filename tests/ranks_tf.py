@@ -227,7 +227,7 @@ def gpu_listed():
 
 
 def fit_like_one_process(make_model, make_opt, tail, classes, per_rank=2, steps=3, as_accurate_as_float32=False,
-                         pattern=None, on_gpu_host=False):
+                         pattern=None, on_gpu_host=False, jit_compile="auto"):
     """``model.fit`` on this rank's slices == one process fitting the whole batches
     (plain Keras BN, in float64: Keras's float32 variance is itself off by ~1e-5).
 
@@ -239,6 +239,7 @@ def fit_like_one_process(make_model, make_opt, tail, classes, per_rank=2, steps=
     rows, where plain float32 is more accurate); local BN on the shards, 28x over it.
 
     ``on_gpu_host``: ``compile()`` with its defaults while a GPU is listed.
+    ``jit_compile``: ``compile()``'s, asserted to stand.
     """
     keras.utils.set_random_seed(0)
     sync = convert_sync_batchnorm(make_model())
@@ -259,14 +260,17 @@ def fit_like_one_process(make_model, make_opt, tail, classes, per_rank=2, steps=
     mine = np.concatenate([np.arange(s * rows + part.start, s * rows + part.stop) for s in range(steps)])
     with gpu_listed() if on_gpu_host else contextlib.nullcontext():
         if pattern is None:  # equal shards: the default per-rank average is exact
-            sync.compile(optimizer=DistributedOptimizer(make_opt()), loss="mse")
+            sync.compile(optimizer=DistributedOptimizer(make_opt()), loss="mse", jit_compile=jit_compile)
         else:  # unequal shards: sum the gradients of each rank's share of the global mean loss
             def share_of_global_mse(y, p):
                 return tf.reduce_sum(tf.square(y - p)) / (rows * classes)
 
-            sync.compile(optimizer=DistributedOptimizer(make_opt(), op=hvd.Sum), loss=share_of_global_mse)
+            sync.compile(optimizer=DistributedOptimizer(make_opt(), op=hvd.Sum), loss=share_of_global_mse,
+                         jit_compile=jit_compile)
     if on_gpu_host:
         assert sync.jit_compile is False, "Keras chose XLA for a model with SyncBatchNormalization"
+    if jit_compile is True:
+        assert sync.jit_compile is True, "Keras turned XLA off"
     hist = sync.fit(x_all[mine], y_all[mine], batch_size=max(sizes[RANK], 1), shuffle=False, verbose=0,
                     callbacks=[BroadcastGlobalVariablesCallback(0), MetricAverageCallback()])
     for model in references.values():
@@ -293,17 +297,31 @@ def test_default_compile_on_a_gpu_machine_fits_like_one_process():
     fit_like_one_process(small_model, OPTIMIZERS["sgd"], (8, 8, 3), 4, pattern=UNEQUAL, on_gpu_host=True)
 
 
-def test_distributed_optimizer_under_xla_says_to_turn_it_off():
+def test_distributed_optimizer_under_xla_on_a_gpu_machine_says_to_turn_it_off():
     """Plain Keras layers on a GPU machine: Keras picks XLA, where Horovod's allreduce has
-    no kernel; every rank raises (while tracing, before any collective) what to do."""
+    no kernel and ours no CUDA target; without the callbacks (which would turn XLA off)
+    every rank raises (while tracing, before any collective) what to do."""
     model = small_model()
     with gpu_listed():
         model.compile(optimizer=DistributedOptimizer(keras.optimizers.SGD(0.1)), loss="mse")
-    assert model.jit_compile is True, "a listed GPU no longer turns XLA on: this test no longer tests it"
-    x, y = global_batch(40, 4, (8, 8, 3)), global_batch(41, 4, (4,))
-    with pytest.raises(ValueError, match=r"DistributedOptimizer cannot run inside XLA yet \(expected "
-                                         r"jit_compile=False.*pass jit_compile=False to model\.compile\(\)"):
-        model.fit(x, y, verbose=0)
+        assert model.jit_compile is True, "a listed GPU no longer turns XLA on: this test no longer tests it"
+        x, y = global_batch(40, 4, (8, 8, 3)), global_batch(41, 4, (4,))
+        match = (r"DistributedOptimizer \(a GPU is visible.*\) cannot run inside XLA yet \(expected "
+                 r"jit_compile=False.*pass jit_compile=False to model\.compile\(\)")
+        with pytest.raises(ValueError, match=match):
+            model.fit(x, y, verbose=0)
+
+
+def test_fit_inside_xla_matches_one_process():
+    """``jit_compile=True`` on the CPU, unequal shards: our layers' statistics and
+    DistributedOptimizer's gradients (packed in one buffer) through the XLA allreduce;
+    equals one process. Under horovodrun --gloo (no MPI) the layer says to use mpirun."""
+    args = (small_model, OPTIMIZERS["sgd"], (8, 8, 3), 4)
+    if GLOO:
+        with pytest.raises(Exception, match="launch with mpirun"):
+            fit_like_one_process(*args, pattern=UNEQUAL, jit_compile=True)
+        return
+    fit_like_one_process(*args, pattern=UNEQUAL, jit_compile=True)
 
 
 def test_converted_renorm_model_fits_like_one_process():

@@ -17,6 +17,7 @@ from typing import Any
 import keras
 import tensorflow as tf
 
+from . import xla
 from .transports import horovod, refuse_xla, resolve_process_set
 
 
@@ -33,13 +34,16 @@ def DistributedOptimizer(optimizer: keras.optimizers.Optimizer, op: Any = None,
     is this rank's share of the global mean (its rows' summed loss divided by the
     *global* row count), and the sum is exactly the one-process gradient.
 
-    Horovod's allreduce has no XLA kernel, and Keras 3 compiles the train step with XLA by
-    default where a GPU is listed (``jit_compile="auto"`` reads only the layers'
-    ``supports_jit``; an optimizer has no say). :class:`BroadcastGlobalVariablesCallback`
-    and :class:`MetricAverageCallback` therefore set ``model.jit_compile = False``, with a
+    Inside XLA on the CPU (``jit_compile=True``, all ranks) the gradients travel packed
+    in one float64 buffer through hvd_syncbn's XLA allreduce over MPI
+    (:mod:`hvd_syncbn.tensorflow.xla`). Elsewhere XLA cannot run them (Horovod's allreduce
+    has no XLA kernel, ours no CUDA target), and Keras 3 compiles the train step with XLA
+    by default where a GPU is listed (``jit_compile="auto"`` reads only the layers'
+    ``supports_jit``; an optimizer has no say): :class:`BroadcastGlobalVariablesCallback`
+    and :class:`MetricAverageCallback` then set ``model.jit_compile = False``, with a
     warning, before ``fit`` builds its train step. Without either callback (a custom loop,
-    ``train_on_batch``) a step traced for XLA raises ``ValueError``; pass
-    ``jit_compile=False`` to ``model.compile()``.
+    ``train_on_batch``) such a step raises ``ValueError``; pass ``jit_compile=False`` to
+    ``model.compile()``.
 
     For ``mixed_float16``, wrap the loss-scale optimizer, not the other way round:
     ``DistributedOptimizer(keras.optimizers.LossScaleOptimizer(opt))`` reduces the scaled
@@ -75,17 +79,30 @@ def DistributedOptimizer(optimizer: keras.optimizers.Optimizer, op: Any = None,
 
 
 def _allreduce_grads(grads, op, process_set):
-    refuse_xla("DistributedOptimizer")
     hvd, ps = horovod("DistributedOptimizer"), resolve_process_set(process_set)
+    if xla.in_xla() and (xla.available() is not None or ps.size() != hvd.size()):
+        refuse_xla(f"DistributedOptimizer ({xla.available() or 'a process set: only all ranks inside XLA'})")
     if ps.size() == 1:
         return grads
     grads = list(grads)
     present = [i for i, g in enumerate(grads) if g is not None]
     dense = [tf.convert_to_tensor(grads[i]) for i in present]  # IndexedSlices -> dense
-    reduced = hvd.grouped_allreduce(dense, op=op, process_set=ps, name="hvd_syncbn.gradients")
+    if xla.in_xla():
+        reduced = _xla_sum(dense, 1.0 / ps.size() if op == hvd.Average else 1.0)
+    else:
+        reduced = hvd.grouped_allreduce(dense, op=op, process_set=ps, name="hvd_syncbn.gradients")
     for i, g in zip(present, reduced):
         grads[i] = g
     return grads
+
+
+def _xla_sum(grads: list, scale: float) -> list:
+    """``grads`` summed over all ranks (times ``scale``) inside XLA: packed into one float64
+    buffer for hvd_syncbn's XLA allreduce over MPI, unpacked in their shapes and dtypes."""
+    flat = tf.concat([tf.reshape(tf.cast(g, tf.float64), [-1]) for g in grads], 0)
+    summed = xla.allreduce(flat, "hvd_syncbn.gradients") * scale
+    parts = tf.split(summed, [g.shape.num_elements() for g in grads])
+    return [tf.cast(tf.reshape(p, g.shape), g.dtype) for p, g in zip(parts, grads)]
 
 
 def _train_without_xla(model: keras.Model) -> None:
@@ -98,6 +115,8 @@ def _train_without_xla(model: keras.Model) -> None:
     optimizer = getattr(model, "optimizer", None)
     inner = getattr(optimizer, "inner_optimizer", None)  # Keras's own LossScaleOptimizer wrapping ours
     if not any(getattr(o, "_hvd_syncbn_allreduce", False) for o in (optimizer, inner)) or not model.jit_compile:
+        return
+    if xla.available() is None:  # the gradients go through hvd_syncbn's XLA allreduce (CPU)
         return
     warnings.warn("DistributedOptimizer: Horovod's allreduce has no XLA kernel, so this model trains without "
                   "XLA (jit_compile=False); Keras chose XLA because a GPU is listed or jit_compile=True was "
