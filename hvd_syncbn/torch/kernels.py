@@ -128,7 +128,7 @@ class DeviceKernels:
         (k, s, t), dtype = coeffs, stats.mean.dtype
         dx = torch.batch_norm(x, self.vector(s, dtype), self.vector(t, dtype), stats.mean, stats.var, False, 0.0,
                               self.eps, torch.backends.cudnn.enabled)
-        return torch.addcmul(dx, dy, per_channel(self.vector(k, dtype).to(x.dtype), x))
+        return dx.addcmul_(dy, per_channel(self.vector(k, dtype).to(x.dtype), x))  # in place: no second buffer
 
 
 _NUMPY = {torch.float32: np.float32, torch.float64: np.float64}
