@@ -71,8 +71,9 @@ class SyncBatchNormalization(keras.layers.BatchNormalization):
         check_finite: raise (before any update) when the global statistics are not
             finite, i.e. NaN/Inf in some rank's input. Default: ``False``: NaN/Inf
             propagate as in ``keras.layers.BatchNormalization``.
-        stats: ``"host"``, ``"device"`` (needs ``hvd.init()``) or ``"auto"``: the device
-            on a machine with a GPU (outside ``tf.distribute`` replicas), else the host.
+        stats: ``"host"``, ``"device"`` (needs ``hvd.init()`` outside XLA) or ``"auto"``:
+            the device inside XLA and on a machine with a GPU (outside ``tf.distribute``
+            replicas), else the host.
             Default: ``$HVD_SYNCBN_STATS``, else ``"auto"``.
         **kwargs: base layer arguments (``name``, ``dtype``, ...). ``name`` also names
             the layer's collectives and must be the same on every rank.

@@ -3,9 +3,10 @@ the collective is a graph op, the checks are deferred flags; no host hop in the 
 
 The buffers are summed by Horovod's allreduce (NCCL where Horovod has GPU support), and
 inside XLA (``jit_compile=True``, CPU) by hvd_syncbn's XLA allreduce over MPI
-(:mod:`hvd_syncbn.tensorflow.xla`), whose wait ends at the timeout. Each carries a static identity header (:func:`hvd_syncbn.comm.static_header`): where the
-ranks summed different collectives the buffer comes back NaN, which the checks read as
-the mismatch flag. The flags (:mod:`hvd_syncbn.deferred`) accumulate in each layer's
+(:mod:`hvd_syncbn.tensorflow.xla`), whose wait ends at the timeout. Each carries a
+static identity header (:func:`hvd_syncbn.comm.static_header`): where the ranks summed
+different collectives the buffer comes back NaN, which the checks read as the mismatch
+flag. The flags (:mod:`hvd_syncbn.deferred`) accumulate in each layer's
 ``_sync_errors`` variable; :func:`check` and :class:`CheckSyncBatchNorm` raise them.
 """
 
