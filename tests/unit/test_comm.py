@@ -472,9 +472,9 @@ def rendezvous(monkeypatch):
     server.stop()
 
 
-def over_the_store(comms: list) -> list:
+def over_the_store(comms: list, group: int = 0) -> list:
     for c in comms:
-        c.side_comm = transports.rendezvous_rows(c.rank, c.size, 0)
+        c.side_comm = transports.rendezvous_rows(c.rank, c.size, group)
     return comms
 
 
@@ -487,8 +487,10 @@ def test_under_horovodrun_the_diagnosis_names_a_silent_rank_through_the_rendezvo
         assert ("ranks [0, 1] are waiting in layer 'bn' forward, step 0 (2 channels, 4D float32); "
                 "missing there: ranks [2]") in text, text
         assert "rank 2 did not answer within the diagnosis time: not in a SyncBN collective" in text, text
-    out = run(3, lambda r, c: reduce(c, "bn" if r else "head", [1.0]), comms=over_the_store(world(3)))
-    for r in range(3):  # a second diagnosis, all ranks present: its own round in the store
+    # A second world, all ranks present, under its own group: the first world's rows stay
+    # in the store (its rank 2 never wrote), and fresh communicators start again at round 0.
+    out = run(3, lambda r, c: reduce(c, "bn" if r else "head", [1.0]), comms=over_the_store(world(3), group=1))
+    for r in range(3):
         assert "ranks [1, 2] are waiting in layer 'bn' forward" in str(out[r]) and "did not answer" not in str(out[r])
 
 
