@@ -2,9 +2,11 @@
 
 The test file is the one installed with keras (``keras/src/layers/normalization/
 batch_normalization_test.py``), imported as it is; its ``layers.BatchNormalization``
-is pointed at our layer. ``test_launch.py`` runs it at 2 ranks. Every rank seeds the
-same data before each test, so the global batch is the local one repeated: the global
-statistics equal the local ones, and Keras's expected values hold unchanged.
+is pointed at our layer. ``test_launch.py`` runs it at 2 ranks, under horovodrun on the
+host path and under mpirun on the device path (``HVD_SYNCBN_STATS``), so the two launches
+cover both. Every rank seeds the same data before each test, so the global batch is the
+local one repeated: the global statistics equal the local ones, and Keras's expected
+values hold unchanged.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import pytest  # noqa: E402
 from keras.src import layers  # noqa: E402
 from keras.src.layers.normalization import batch_normalization_test as keras_tests  # noqa: E402
 
+from hvd_syncbn import launchers  # noqa: E402
 from hvd_syncbn.tensorflow import SyncBatchNormalization  # noqa: E402
 
 hvd = pytest.importorskip("horovod.tensorflow")
@@ -34,9 +37,13 @@ class _Layers:
 keras_tests.layers = _Layers()
 
 
+STATS = "host" if (launchers.launcher() or "").startswith("horovodrun") else "device"
+
+
 @pytest.fixture(autouse=True)
-def same_data_on_every_rank():
+def same_data_on_every_rank(monkeypatch):
     keras.utils.set_random_seed(1234)
+    monkeypatch.setenv("HVD_SYNCBN_STATS", STATS)
 
 
 class TestKerasBatchNormalizationWithSyncBN(keras_tests.BatchNormalizationTest):
@@ -44,3 +51,4 @@ class TestKerasBatchNormalizationWithSyncBN(keras_tests.BatchNormalizationTest):
 
     def test_the_swap_is_in_place(self):
         assert keras_tests.layers.BatchNormalization is SyncBatchNormalization
+        assert keras_tests.layers.BatchNormalization(axis=-1).stats == STATS
