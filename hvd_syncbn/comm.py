@@ -222,8 +222,10 @@ class Call:
         return f"hvd_syncbn.{self.layer}.{self.direction}"
 
     def where(self) -> str:
-        way = {"fwd": "forward", "bwd": "backward"}.get(self.direction, self.direction)
-        return f"layer {self.layer!r} {way}, step {self.step} ({self.channels} channels, {self.ndim}D {self.dtype})"
+        """Its layer, direction and step (a traced collective has neither: ``""``, ``-1``) and shape."""
+        way = {"fwd": " forward", "bwd": " backward"}.get(self.direction, f" {self.direction}" if self.direction else "")
+        step = f", step {self.step}" if self.step >= 0 else ""
+        return f"layer {self.layer!r}{way}{step} ({self.channels} channels, {self.ndim}D {self.dtype})"
 
 
 def header(call: Call, world: int) -> List[float]:

@@ -10,10 +10,10 @@ layers at once and raises them by :func:`raise_seen`.
 
 from __future__ import annotations
 
-from typing import Sequence, Tuple
+from typing import Optional, Sequence, Tuple
 
 from hvd_syncbn import backend
-from hvd_syncbn.comm import SyncBatchNormError
+from hvd_syncbn.comm import Call, Communicator, SyncBatchNormError, fail
 
 FLAGS = ("mismatch", "single_row", "non_finite")
 """A layer's flags, in order."""
@@ -25,9 +25,16 @@ def messages(layer: str) -> Tuple[str, str, str]:
             f"channel count, input rank or dtype)", backend.single_row_message(layer), backend.non_finite_message(layer))
 
 
-def raise_seen(path: str, seen: Sequence[Tuple[str, Sequence[bool]]]) -> None:
+def raise_seen(path: str, seen: Sequence[Tuple[str, Sequence[bool]]],
+               mismatched: Optional[Tuple[Communicator, Call]] = None) -> None:
     """Raise what the layers have ``seen``, ``(layer name, flags)`` each, naming every
     layer and flag; nothing if no flag is set. ``path`` heads the message.
+
+    ``mismatched``: the communicator and collective of this rank's first layer that
+    flagged a mismatch. A mismatched sum flags every rank in it, so each rank's check
+    meets the others over the communicator's side channel (as the host path's
+    diagnosis does, :func:`hvd_syncbn.comm.fail`), and the error names the layer of
+    every rank, not only this one's.
 
     Raises:
         SyncBatchNormError: ranks summed different collectives.
@@ -38,5 +45,7 @@ def raise_seen(path: str, seen: Sequence[Tuple[str, Sequence[bool]]]) -> None:
         return
     message = f"{path}: " + "; ".join(problems)
     if any(row[FLAGS.index("mismatch")] for _, row in seen):
+        if mismatched is not None:
+            fail(*mismatched, message)
         raise SyncBatchNormError(message)
     raise ValueError(message)

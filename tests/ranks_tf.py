@@ -577,11 +577,11 @@ def test_device_path_flags_a_single_global_row_and_keeps_moving_statistics(compi
     check(bn)  # raised once, then cleared
 
 
-def test_device_path_mismatch_is_nan_then_an_error_naming_the_layer():
+def test_device_path_mismatch_is_nan_then_an_error_naming_each_ranks_layer():
     """Rank 0 feeds the layer 2D input, the others 3D (3 channels on every rank, so the
     buffers are alike): the summed header does not add up, so every rank's output is
-    NaN, its moving statistics stay, and :func:`check` raises SyncBatchNormError naming
-    the layer. Alone, nothing mismatches."""
+    NaN, its moving statistics stay, and :func:`check` raises SyncBatchNormError on
+    every rank, naming the layer as each rank called it. Alone, nothing mismatches."""
     tail = (3,) if RANK == 0 else (2, 3)
     bn = SyncBatchNormalization(name="bn_mixed", stats="device")
     bn.build((None, *tail))
@@ -593,8 +593,12 @@ def test_device_path_mismatch_is_nan_then_an_error_naming_the_layer():
         return
     assert np.isnan(y.numpy()).all(), y
     assert_weights_unchanged(bn, before, "mismatched collective")
-    with pytest.raises(SyncBatchNormError, match="bn_mixed: ranks summed different collectives"):
+    with pytest.raises(SyncBatchNormError, match="bn_mixed: ranks summed different collectives") as raised:
         check(bn)
+    text = str(raised.value)
+    assert f"this is rank {RANK}, in layer 'bn_mixed' (3 channels, {len(tail) + 1}D float32)" in text, text
+    assert "ranks [0] are waiting in layer 'bn_mixed' (3 channels, 2D float32)" in text, text
+    assert f"ranks {list(range(1, WORLD))} are waiting in layer 'bn_mixed' (3 channels, 3D float32)" in text, text
 
 
 def test_device_path_has_no_host_hop_in_a_traced_step():

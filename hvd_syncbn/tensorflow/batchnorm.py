@@ -217,8 +217,9 @@ class SyncBatchNormalization(keras.layers.BatchNormalization):
         comm = transports.resolve(self.comm, self.process_set, self.name)
         if comm is None:  # alone
             return (lambda buf, direction: buf), DeferredChecks()
-        return GraphReducer(comm, self.process_set, self.name, channel_count(x, axes), len(x.shape),
-                            x.dtype.name, self._sync_errors), DeferredChecks()
+        self._sync_reducer = GraphReducer(comm, self.process_set, self.name, channel_count(x, axes), len(x.shape),
+                                          x.dtype.name, self._sync_errors)  # what check() names on a mismatch
+        return self._sync_reducer, DeferredChecks()
 
     def _on_device(self) -> bool:
         """Whether this call takes the device path: ``stats="device"``, or ``"auto"`` inside

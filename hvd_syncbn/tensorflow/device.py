@@ -12,12 +12,12 @@ flag. The flags (:mod:`hvd_syncbn.deferred`) accumulate in each layer's
 
 from __future__ import annotations
 
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterator, Sequence, Tuple
 
 import keras
 import tensorflow as tf
 
-from hvd_syncbn.comm import HEADER, Communicator, get_timeout, static_header
+from hvd_syncbn.comm import HEADER, Call, Communicator, get_timeout, static_header
 from hvd_syncbn.deferred import FLAGS, raise_seen
 from hvd_syncbn.tensorflow import transports, xla
 from hvd_syncbn.transports import MpiCommunicator
@@ -71,6 +71,10 @@ class GraphReducer:
         with tf.control_dependencies([self.errors.assign(tf.maximum(self.errors, flag))]):
             return tf.where(mixed, tf.constant(float("nan"), tf.float64), out[HEADER:])
 
+    def met(self) -> Tuple[Communicator, Call]:
+        """This layer's collective as the diagnosis describes it (traced once: no step, either direction)."""
+        return self.comm, Call(self.identity[0], "", -1, *self.identity[1:], self.comm.rank)
+
     def _sum(self, full: tf.Tensor, name: str) -> tf.Tensor:
         layer = self.identity[0]
         if xla.in_xla():
@@ -112,7 +116,8 @@ def check(model: keras.layers.Layer) -> None:
     seen = [(layer.name, layer._sync_errors.numpy().astype(bool)) for layer in layers]
     for layer in layers:
         layer._sync_errors.assign(tf.zeros_like(layer._sync_errors))
-    raise_seen("SyncBatchNormalization (device path)", seen)
+    mismatched = [layer._sync_reducer for layer, (_, row) in zip(layers, seen) if row[FLAGS.index("mismatch")]]
+    raise_seen("SyncBatchNormalization (device path)", seen, mismatched[0].met() if mismatched else None)
 
 
 class CheckSyncBatchNorm(keras.callbacks.Callback):
