@@ -1,8 +1,7 @@
 """Real models from timm and torchvision, converted, against the unconverted model
 trained in one process on the concatenated batch; and a subclass opted in.
 
-Runs at any world size (``test_launch.py``: 1 rank plainly, 2 and 3 ranks under
-mpirun). What the converter refuses and keeps, which does not depend on the world size,
+Runs at any world size (``test_launch.py``: 1 rank plainly, 3 ranks under mpirun). What the converter refuses and keeps, which does not depend on the world size,
 is tested once in ``unit/test_torch_layer.py``. Every rank builds the same model from a seed, keeps an
 unconverted copy and trains it on the whole batch, and trains the converted model on
 its own shard (2, 3 and 0 images at 3 ranks: unequal, one empty).
