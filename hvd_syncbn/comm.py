@@ -460,7 +460,10 @@ def lost_node_wait() -> float:
     began: its out-of-band TCP keepalive, ``time + intvl × probes`` from the
     ``OMPI_MCA_oob_tcp_keepalive_*`` variables of this process (``launch/mpirun.sh`` and
     the image set them; Open MPI's defaults for ``intvl`` and ``probes``, 20 and 9); 0
-    where ``time`` is not set (another launcher, or Open MPI's default: none of ours)."""
+    where ``time`` is not set (Open MPI's default: none of ours) or mpirun did not start
+    this process (no ``OMPI_MCA_orte_hnp_uri``: e.g. ``srun``, which has no such daemons)."""
+    if "OMPI_MCA_orte_hnp_uri" not in os.environ:
+        return 0.0
     raw = {k: os.environ.get(KEEPALIVE_ENV + k) for k in ("time", "intvl", "probes")}
     try:
         idle = float(raw["time"] or 0)

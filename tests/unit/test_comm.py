@@ -470,6 +470,8 @@ def test_a_silent_rank_under_mpirun_s_keepalive_delays_the_abort_until_a_lost_no
     assert comm.lost_node_wait() == 0
     for name, value in {"time": "5", "intvl": "2", "probes": "6"}.items():
         monkeypatch.setenv(comm.KEEPALIVE_ENV + name, value)
+    assert comm.lost_node_wait() == 0  # not started by mpirun (srun passes the image's variables on too)
+    monkeypatch.setenv("OMPI_MCA_orte_hnp_uri", "1.0;tcp://10.0.0.1:1")
     assert comm.lost_node_wait() == 17
     start = time.monotonic()
     run(3, lambda r, c: reduce(c, "bn", [1.0]) if r < 2 else None)
