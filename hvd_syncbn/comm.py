@@ -474,7 +474,8 @@ def lost_node_wait() -> float:
 
 EXIT_GRACE = 0.5
 """Share of the timeout an abort may take before the process exits hard: a rank raises
-within 1.5 timeouts of the stuck collective's start, so it is gone within 2."""
+within 1.5 timeouts of the stuck collective's start, so it is gone within 2 (after
+:func:`lost_node_wait`, where that applies)."""
 
 
 def _abort_at_exit() -> None:

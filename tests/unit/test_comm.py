@@ -461,7 +461,7 @@ def test_a_wait_whose_mpi_is_finalized_under_it_raises_without_calling_mpi(monke
     assert mpi.after == [], f"called after MPI_Finalize: {mpi.after}"
 
 
-def test_a_silent_rank_under_mpirun_s_keepalive_delays_the_abort_until_a_lost_node_is_noticed(monkeypatch):
+def test_under_mpirun_with_a_keepalive_a_silent_rank_delays_the_abort_until_a_lost_node_is_noticed(monkeypatch):
     """mpirun's keepalive in the environment (launch/mpirun.sh's at a 5 s timeout: 5 + 2 x 6
     s): a rank that timed out on a silent peer aborts at exit only once mpirun could have
     noticed a lost node, 17 s (+2) after the collective began; without it, at once."""
