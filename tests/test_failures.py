@@ -167,6 +167,17 @@ def test_the_peers_of_a_stopped_rank_name_it(framework, launcher):
     assert time.monotonic() - start < 120
 
 
+def test_a_rank_stopped_for_less_than_the_timeout_holds_its_peers_back_and_all_finish():
+    """Rank 2 of 3 stops (SIGSTOP) for 0.6·T in the step that goes wrong and is continued:
+    its peers wait for it, no rank raises and the job exits 0."""
+    rc, logs, raw = launch(["tests/fail_scenarios.py", "torch", "pause"], "mpirun", 3)
+    assert rc == 0, raw[-3000:]
+    for rank in range(3):
+        took = re.search(rf"RESULT rank={rank} finished, ([\d.]+) s after", logs.get(rank, ""))
+        assert took, f"rank {rank} did not finish:\n{logs.get(rank, raw)[-3000:]}"
+        assert float(took.group(1)) >= 0.5 * T, f"rank {rank} was not held back: {took.group(0)}"
+
+
 @pytest.mark.parametrize("framework", ["torch", "keras"])
 def test_a_rank_failing_outside_syncbn_leaves_no_mpi_call_after_finalize(framework):
     """Under mpirun with Horovod initialised first, rank 2 raises outside SyncBN (as on a
