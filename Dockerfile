@@ -32,8 +32,11 @@ RUN useradd --create-home --uid 1000 --shell /bin/bash app && chown -R app /opt/
 USER 1000
 # One thread per rank, and Horovod's recommended mpirun flags as Open MPI's environment
 # parameters: -bind-to none -map-by slot -mca pml ob1 -mca btl ^openib, plus
-# -mca mpi_yield_when_idle 1 (launch/README.md says why), for any mpirun in the image.
+# -mca mpi_yield_when_idle 1 (launch/README.md says why), for any mpirun in the image;
+# and mpirun.sh's out-of-band keepalive for the default HVD_SYNCBN_TIMEOUT (60 s): a lost
+# node ends the job within 5 + 20 x 6 = 125 s (launch/mpirun.sh's own, from the timeout, wins).
 ENV PATH=/opt/hvd_syncbn/.venv/bin:${PATH} OMP_NUM_THREADS=1 \
     OMPI_MCA_hwloc_base_binding_policy=none OMPI_MCA_rmaps_base_mapping_policy=slot \
-    OMPI_MCA_pml=ob1 OMPI_MCA_btl=^openib OMPI_MCA_mpi_yield_when_idle=1
+    OMPI_MCA_pml=ob1 OMPI_MCA_btl=^openib OMPI_MCA_mpi_yield_when_idle=1 \
+    OMPI_MCA_oob_tcp_keepalive_time=5 OMPI_MCA_oob_tcp_keepalive_intvl=20 OMPI_MCA_oob_tcp_keepalive_probes=6
 CMD ["horovodrun", "--check-build"]

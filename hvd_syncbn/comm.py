@@ -22,6 +22,8 @@ import json
 import logging
 import math
 import os
+import sys
+import threading
 import time
 import zlib
 from dataclasses import asdict, dataclass
@@ -424,7 +426,9 @@ def describe(calls: Dict[int, Call], me: Call, size: int, reason: str, partial: 
     return "\n".join(lines)
 
 
-_aborted: List[Communicator] = []
+_aborted: List[Tuple[Communicator, float]] = []
+"""The communicator whose collective got stuck, and the ``time.monotonic()`` until which
+its abort waits (:func:`_abort_at_exit`)."""
 
 
 def fail(comm: Communicator, call: Call, reason: str, error: type = SyncBatchNormError,
@@ -442,16 +446,73 @@ def fail(comm: Communicator, call: Call, reason: str, error: type = SyncBatchNor
     message = describe(calls, call, comm.size, reason, side.partial_gather, side.kind, broken)
     log.error("%s", message)
     if stuck and not _aborted:
-        _aborted.append(comm)
+        silent, lost_after = len(calls) < comm.size, lost_node_wait()  # silent: stopped, dead, or cut off
+        _aborted.append((comm, since + lost_after + LOST_NODE_MARGIN if silent and lost_after else 0.0))
         atexit.register(_abort_at_exit)
     raise error(message) from cause
 
 
+KEEPALIVE_ENV = "OMPI_MCA_oob_tcp_keepalive_"
+LOST_NODE_MARGIN = 2.0
+"""Seconds an abort waits beyond :func:`lost_node_wait`, for the launcher to act."""
+
+
+def lost_node_wait() -> float:
+    """Seconds Open MPI's mpirun takes at most to notice a node lost since a collective
+    began: its out-of-band TCP keepalive, ``time + intvl × probes`` from the
+    ``OMPI_MCA_oob_tcp_keepalive_*`` variables of this process (``launch/mpirun.sh`` and
+    the image set them; Open MPI's defaults for ``intvl`` and ``probes``, 20 and 9); 0
+    where ``time`` is not set (Open MPI's default: none of ours) or mpirun did not start
+    this process (no ``OMPI_MCA_orte_hnp_uri``: e.g. ``srun``, which has no such daemons)."""
+    if "OMPI_MCA_orte_hnp_uri" not in os.environ:
+        return 0.0
+    raw = {k: os.environ.get(KEEPALIVE_ENV + k) for k in ("time", "intvl", "probes")}
+    try:
+        idle = float(raw["time"] or 0)
+        return idle + float(raw["intvl"] or 20) * float(raw["probes"] or 9) if idle > 0 else 0.0
+    except ValueError:
+        return 0.0
+
+
+EXIT_GRACE = 0.5
+"""Share of the timeout an abort may take before the process exits hard: a rank raises
+within 1.5 timeouts of the stuck collective's start, so it is gone within 2 (after
+:func:`lost_node_wait`, where that applies)."""
+
+
 def _abort_at_exit() -> None:
     """A failed collective may still be pending: stop the transport rather than let the
-    process hang in its shutdown."""
-    for comm in _aborted:
+    process hang in its shutdown; exit hard (status 1) if that takes more than
+    :data:`EXIT_GRACE` of the timeout (Horovod's shutdown over Gloo waits out Gloo's
+    receive timeout, 30 s by default, for a stopped peer).
+
+    Where ranks did not answer, wait first until mpirun could notice a lost node
+    (:func:`lost_node_wait`, from the collective's start): an abort makes mpirun send to
+    every node's daemon, and a message pending to a lost node turns its TCP keepalive off,
+    so mpirun would wait for that node until TCP gives up retransmitting (Linux's default,
+    ~15 min; measured: still waiting 120 s after the cut). If a node is lost, mpirun ends
+    the job meanwhile; if a rank is only stopped, this rank aborts the job after the wait.
+    """
+    for comm, until in _aborted:
+        wait = until - time.monotonic()
+        if wait > 0:
+            log.error("hvd_syncbn: aborting in %.0f s, once mpirun's keepalive (OMPI_MCA_oob_tcp_keepalive_*) "
+                      "could have noticed a lost node", wait)
+            time.sleep(wait)
+        grace = EXIT_GRACE * get_timeout()
+        timer = threading.Timer(grace, _exit_hard, (comm.kind, grace))
+        timer.daemon = True
+        timer.start()
         try:
             comm.abort()
         except Exception:  # noqa: BLE001 - exiting anyway
             pass
+        timer.cancel()
+
+
+def _exit_hard(kind: str, grace: float) -> None:
+    """Ends the process with status 1 at once, after flushing its output."""
+    print(f"hvd_syncbn: the {kind} transport did not stop within {grace:g} s of the exit; exiting hard",
+          file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    os._exit(1)

@@ -9,6 +9,7 @@
 # Runs, after printing it:
 #   mpirun [--allow-run-as-root] -np N [--hostfile F] -bind-to none -map-by slot
 #          -mca pml ob1 -mca btl ^openib -mca mpi_yield_when_idle 1
+#          -mca oob_tcp_keepalive_time 5 -mca oob_tcp_keepalive_intvl I -mca oob_tcp_keepalive_probes 6
 #          -x PATH [-x LD_LIBRARY_PATH] -x HOROVOD_* -x NCCL_* -x HVD_SYNCBN_*
 #          [more mpirun options] COMMAND...
 # - -x: mpirun hands a remote rank only the variables named with -x, one name each, so
@@ -20,11 +21,17 @@
 # - mpi_yield_when_idle: each rank has two threads waiting in MPI (Horovod's background
 #   loop and SyncBN's statistics); spinning, they take cores from the compute when ranks
 #   fill the cores (2-rank allreduces measured 12-24 ms instead of 1 ms so).
-# - Your own `-mca pml X` / `-mca btl X` / `-mca mpi_yield_when_idle X` (or --mca)
-#   replace the defaults above.
+# - oob_tcp_keepalive_*: mpirun ends the job when a node is lost or cut off by the network,
+#   within 5 + 6 x I s of the cut, I = ceil(T/3) and T = $HVD_SYNCBN_TIMEOUT (default 60:
+#   125 s), i.e. about 2 T + 5 s. 6 x I >= 2 T, so every rank that can still reach mpirun
+#   has printed its SyncBN error first (within 1.5 T). Open MPI's own keepalive is 300 +
+#   20 x 9 s, and mpirun never notices a lost node once a rank has aborted
+#   (hvd_syncbn/comm.py, _abort_at_exit, says why and how the ranks wait for it).
+# - Your own `-mca pml X` / `-mca btl X` / `-mca mpi_yield_when_idle X` /
+#   `-mca oob_tcp_keepalive_* X` (or --mca) replace the defaults above.
 # - The repo's virtual environment ($HVD_SYNCBN_VENV, default .venv/) goes first on PATH.
 set -euo pipefail
-user_pml=0 user_btl=0 user_yield=0
+user_pml=0 user_btl=0 user_yield=0 user_keepalive=0
 option() {  # one mpirun option at "$@"; sets take (launch/_common.sh)
   case $1 in
     -mca|--mca)
@@ -32,6 +39,7 @@ option() {  # one mpirun option at "$@"; sets take (launch/_common.sh)
       [ "$2" = pml ] && user_pml=1
       [ "$2" = btl ] && user_btl=1
       [ "$2" = mpi_yield_when_idle ] && user_yield=1
+      [[ $2 == oob_tcp_keepalive_* ]] && user_keepalive=1
       opts+=("$1" "$2" "$3"); take=3 ;;
     *) opts+=("$1"); take=1 ;;
   esac
@@ -45,6 +53,10 @@ cmd+=(-bind-to none -map-by slot)
 [ "$user_pml" = 1 ] || cmd+=(-mca pml ob1)
 [ "$user_btl" = 1 ] || cmd+=(-mca btl ^openib)
 [ "$user_yield" = 1 ] || cmd+=(-mca mpi_yield_when_idle 1)
+if [ "$user_keepalive" = 0 ]; then
+  intvl=$(awk -v t="${HVD_SYNCBN_TIMEOUT:-60}" 'BEGIN { i = int((t + 2.999) / 3); print (i < 1 ? 1 : i) }')
+  cmd+=(-mca oob_tcp_keepalive_time 5 -mca oob_tcp_keepalive_intvl "$intvl" -mca oob_tcp_keepalive_probes 6)
+fi
 cmd+=(-x PATH)
 [ -n "${LD_LIBRARY_PATH+set}" ] && cmd+=(-x LD_LIBRARY_PATH)
 while IFS= read -r name; do

@@ -60,7 +60,8 @@ def test_image_is_set_up_for_a_cluster(container):
     env = dict(line.split("=", 1) for line in in_image(container, "env").splitlines() if "=" in line)
     assert env["OMP_NUM_THREADS"] == "1", env
     for name, value in [("hwloc_base_binding_policy", "none"), ("rmaps_base_mapping_policy", "slot"),
-                        ("pml", "ob1"), ("btl", "^openib")]:
+                        ("pml", "ob1"), ("btl", "^openib"), ("oob_tcp_keepalive_time", "5"),
+                        ("oob_tcp_keepalive_intvl", "20"), ("oob_tcp_keepalive_probes", "6")]:
         assert env.get(f"OMPI_MCA_{name}") == value, f"OMPI_MCA_{name}: {env.get(f'OMPI_MCA_{name}')}"
     missing = in_image(container, "bash", "-c", "for t in g++ cmake make; do command -v $t || echo no-$t; done")
     assert missing.split() == ["no-g++", "no-cmake", "no-make"], f"build tools left in the image: {missing}"

@@ -178,7 +178,8 @@ def test_mpirun_wrapper_flags():
     cmd = printed_command(out, "mpirun.sh")
     pairs = {tuple(cmd[i:i + 2]) for i in range(len(cmd) - 1)}
     for flag in [("-bind-to", "none"), ("-map-by", "slot"), ("-np", "4"), ("pml", "ob1"), ("btl", "^openib"),
-                 ("mpi_yield_when_idle", "1")]:
+                 ("mpi_yield_when_idle", "1"), ("oob_tcp_keepalive_time", "5"), ("oob_tcp_keepalive_intvl", "10"),
+                 ("oob_tcp_keepalive_probes", "6")]:  # 6 x 10 s >= 2 x HVD_SYNCBN_TIMEOUT
         assert flag in pairs, f"{flag} missing: {cmd}"
     exported = {cmd[i + 1] for i, arg in enumerate(cmd) if arg == "-x"}
     assert {"PATH", "LD_LIBRARY_PATH", "HOROVOD_CYCLE_TIME", "NCCL_DEBUG", "NCCL_SOCKET_IFNAME",
@@ -189,6 +190,9 @@ def test_mpirun_wrapper_flags():
     own = printed_command(run("bash", "launch/mpirun.sh", "--dry-run", "--mca", "btl", "tcp,self", "--", "true"),
                           "mpirun.sh")
     assert "^openib" not in own and "tcp,self" in own, own
+    own = printed_command(run("bash", "launch/mpirun.sh", "--dry-run", "-mca", "oob_tcp_keepalive_time", "0", "--",
+                              "true"), "mpirun.sh")
+    assert [a for a in own if a.startswith("oob_tcp_keepalive")] == ["oob_tcp_keepalive_time"], own
 
     missing = run("bash", "launch/mpirun.sh", "-np", "2", "python", "train.py")
     assert missing.returncode == 2 and "expected '-- COMMAND...'" in missing.stderr, missing.stderr

@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 import threading
 import time
 import warnings
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -453,9 +456,44 @@ def test_a_wait_whose_mpi_is_finalized_under_it_raises_without_calling_mpi(monke
     threading.Timer(0.2, lambda: setattr(mpi, "finalized", True)).start()
     with pytest.raises(comm.SyncBatchNormError, match="RuntimeError: MPI was finalized while this rank waited"):
         reduce(c, "bn", [1.0])
-    assert comm._aborted == [c]
+    assert comm._aborted == [(c, 0.0)]
     comm._abort_at_exit()
     assert mpi.after == [], f"called after MPI_Finalize: {mpi.after}"
+
+
+def test_under_mpirun_with_a_keepalive_a_silent_rank_delays_the_abort_until_a_lost_node_is_noticed(monkeypatch):
+    """mpirun's keepalive in the environment (launch/mpirun.sh's at a 5 s timeout: 5 + 2 x 6
+    s): a rank that timed out on a silent peer aborts at exit only once mpirun could have
+    noticed a lost node, 17 s (+2) after the collective began; without it, at once."""
+    monkeypatch.setattr(comm, "_aborted", [])
+    monkeypatch.setattr(comm.atexit, "register", lambda fn: None)
+    assert comm.lost_node_wait() == 0
+    for name, value in {"time": "5", "intvl": "2", "probes": "6"}.items():
+        monkeypatch.setenv(comm.KEEPALIVE_ENV + name, value)
+    assert comm.lost_node_wait() == 0  # not started by mpirun (srun passes the image's variables on too)
+    monkeypatch.setenv("OMPI_MCA_orte_hnp_uri", "1.0;tcp://10.0.0.1:1")
+    assert comm.lost_node_wait() == 17
+    start = time.monotonic()
+    run(3, lambda r, c: reduce(c, "bn", [1.0]) if r < 2 else None)
+    [(_, until)] = comm._aborted
+    assert start + 17 + comm.LOST_NODE_MARGIN <= until <= start + 17 + comm.LOST_NODE_MARGIN + 0.5, until - start
+    monkeypatch.setenv(comm.KEEPALIVE_ENV + "time", "0")  # Open MPI's way to turn it off
+    assert comm.lost_node_wait() == 0
+
+
+def test_an_abort_that_hangs_ends_the_process_within_half_the_timeout():
+    """Horovod's shutdown over Gloo waits out Gloo's receive timeout for a stopped peer:
+    the process exits hard, status 1, once its abort took half the SyncBN timeout."""
+    script = ("import time\nfrom hvd_syncbn import comm\ncomm.set_timeout(1.0)\n"
+              "class Hangs(comm.Communicator):\n    kind = 'hanging'\n    def abort(self): time.sleep(60)\n"
+              "comm._aborted.append((Hangs(), 0.0))\ncomm._abort_at_exit()\nprint('returned')\n")
+    start = time.monotonic()
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "PYTHONPATH": str(Path(comm.__file__).parents[1])})
+    took = time.monotonic() - start
+    assert out.returncode == 1 and "returned" not in out.stdout, (out.returncode, out.stdout, out.stderr)
+    assert "the hanging transport did not stop within 0.5 s of the exit; exiting hard" in out.stderr, out.stderr
+    assert took < 10, f"took {took:.1f} s"
 
 
 @pytest.fixture
