@@ -238,7 +238,7 @@ def fit_like_one_process(make_model, make_opt, tail, classes, per_rank=2, steps=
     MobileNetV2 with the default k=4: 0.30 of the bound used at 1-3 ranks, 0.80 at 4 (16
     rows, where plain float32 is more accurate); local BN on the shards, 28x over it.
     With k=8, unequal shards (3, 5, 2 rows) at 2 and 3 ranks: at most 0.08 on the host
-    path, 0.10 on the device path and inside XLA (``ranks_keras_models.py``).
+    path, 0.11 on the device path and inside XLA (``ranks_keras_models.py``).
     With ``jit_compile=True`` plain float32 is compiled by XLA too: XLA's float32 kernels
     round differently (plain float32 under XLA is up to 5x further from float64 on some
     moving means and biases of MobileNetV2's first blocks than without it).
