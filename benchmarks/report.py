@@ -197,6 +197,26 @@ def e2e_section(res: dict) -> str:
     return out
 
 
+def tf_e2e_section(res: dict) -> str:
+    """The Keras training step (``e2e_tf.py``): each variant against local Keras BN."""
+    t = res.get("tf_e2e", {})
+    if "skipped" in t:
+        return f"Skipped: {t['skipped']}."
+    job = t.get("2 ranks", {})
+    if "nets" not in job:
+        return "The Keras training-step job did not run." if not job else "The Keras training-step job failed."
+    rows = []
+    for net, r in job["nets"].items():
+        g = lambda k: r["times"].get(k, {}).get("median", math.nan)  # noqa: E731
+        rows.append([net, r["bn_layers"], tuple(r["input"]), ratio(g("host"), g("local")),
+                     ratio(g("device"), g("local")), ratio(g("xla"), g("local")), ratio(g("xla"), g("local_xla")),
+                     ratio(g("local_xla"), g("local")), *(ms(g(k)) for k in ("local", "local_xla", "host", "device",
+                                                                               "xla"))])
+    return table(["net (2 ranks)", "BN layers", "input per rank", "host / local", "device / local", "XLA / local",
+                  "XLA / local XLA", "local XLA / local", "local ms", "local XLA ms", "host ms", "device ms",
+                  "XLA ms"], rows)
+
+
 def tf_section(res: dict) -> str:
     t = res.get("tf_layers", {})
     if "skipped" in t:
@@ -401,7 +421,7 @@ def write_report(res: dict, out: Path) -> Path:
     model_md, errs, preds = model_section(res, fitted)
     made = plots(res, fitted, preds, out)
     fails = errors(res["torch_layers"], "PyTorch job") + errors(res["e2e"], "end-to-end job") + errors(
-        res.get("tf_layers", {}), "Keras job") + errors(res["alphabeta"]["loopback"], "allreduce sweep") + errors(
+        res.get("tf_layers", {}), "Keras job") + errors(res.get("tf_e2e", {}), "Keras training-step job") + errors(res["alphabeta"]["loopback"], "allreduce sweep") + errors(
         res["alphabeta"].get("netns", {}), "namespace-hosts sweep")
     lines = [f"# SyncBN benchmark report{' (QUICK smoke run: not for quoting)' if res['quick'] else ''}", "",
              f"`{res['argv']}` — started {res['started']}, {res['seconds'] / 60:.1f} min; commit {res['commit']}; "
@@ -426,6 +446,11 @@ def write_report(res: dict, out: Path) -> Path:
         for net, r in e.get(comm, {}).get("nets", {}).items():
             s, l_ = r["times"]["sync"]["median"], r["times"]["local"]["median"]
             lines.append(f"- Training step, {net}, 2 ranks [{comm}]: SyncBN / local BN = {s / l_:.2f}×.")
+    for net, r in res.get("tf_e2e", {}).get("2 ranks", {}).get("nets", {}).items():
+        t = {k: v["median"] for k, v in r["times"].items()}
+        lines.append(f"- Keras training step, {net}, 2 ranks: ours / local Keras BN: host path "
+                     f"{t['host'] / t['local']:.2f}×, device path {t['device'] / t['local']:.2f}×, inside XLA "
+                     f"{t['xla'] / t['local']:.2f}× (against local BN inside XLA {t['xla'] / t['local_xla']:.2f}×).")
     t = res.get("tf_layers", {})
     one = t.get("ours 1 rank", {})
     if "shapes" in one:
@@ -469,6 +494,10 @@ def write_report(res: dict, out: Path) -> Path:
               "Horovod's Keras 2 layer and Keras 3's "
               "`synchronized=True` (MultiWorkerMirroredStrategy) run in jobs of their own.", "", tf_section(res), "",
               "## 3. Training step (forward, loss, backward, SGD step), 2 ranks", "", e2e_section(res), "",
+              "Keras (`e2e_tf.py`, one job under mpirun, `train_on_batch` with `DistributedOptimizer(SGD)` in "
+              "every variant): local = Keras BN on the rank's rows; host, device = ours with `stats=` that; "
+              "XLA = ours with `jit_compile=True` (the device path, our XLA allreduce over MPI); local XLA = "
+              "Keras BN with `jit_compile=True`.", "", tf_e2e_section(res), "",
               "## 4. Collectives and bytes per layer per step, counted", "",
               "Counted in separate jobs (Horovod's timeline on, `HOROVOD_TIMELINE=DYNAMIC`; MPI calls of the "
               "Python thread by the `mpi_count.c` shim" + ("" if res.get("counting_shim") else ", **not built**")

@@ -9,7 +9,9 @@ leaves its error in the report):
 
 1. per-layer forward+backward, PyTorch at 1, 2 and 4 ranks (4 oversubscribe this
    machine's cores) with ``HVD_SYNCBN_COMM=horovod`` and ``=mpi``; Keras at 2 ranks;
-2. an end-to-end training step, ResNet-18-like and the demo U-Net, at 2 ranks;
+2. an end-to-end training step, ResNet-18-like and the demo U-Net, at 2 ranks; Keras's,
+   ResNet-18-like and MobileNetV2, on each path of our layer and local BN with and
+   without XLA (``e2e_tf.py``);
 3. collectives and bytes per step, counted (Horovod timeline, MPI call shim);
 4. allreduce latency/bandwidth at 1-4 ranks, on loopback and between network-namespace
    hosts, and the scaling model fitted to it (``scaling.py``).
@@ -28,6 +30,7 @@ import time
 from pathlib import Path
 
 import bench_tf
+import e2e_tf
 from common import QUICK_SHAPES, SHAPES
 from jobs import MALLOC, ROOT, Runner, build_shim
 
@@ -133,11 +136,12 @@ def main() -> None:
         res["e2e"] = e2e(runner, conf["e2e_iters"], conf["e2e_nets"], conf["count_steps"], q)
         res["alphabeta"] = alphabeta(runner, conf["ab_iters"], conf["ab_sizes"], not args.no_netns, q)
         if args.no_tf:
-            res["tf_layers"] = {"skipped": "--no-tf"}
+            res["tf_layers"] = res["tf_e2e"] = {"skipped": "--no-tf"}
         else:
             tf_shapes = shapes[:1] if q else shapes
             res["tf_layers"] = bench_tf.jobs(runner, tf_shapes, conf["tf_iters"], 2, COMMS,
                                              0 if q else conf["count_steps"])
+            res["tf_e2e"] = e2e_tf.jobs(runner, conf["e2e_iters"], "mobilenetv2" if q else ",".join(e2e_tf.NETS))
     res["seconds"] = time.time() - start
     res["load_end"] = os.getloadavg()
     (args.out / "results.json").write_text(json.dumps(res, indent=1))
