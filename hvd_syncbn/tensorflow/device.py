@@ -1,9 +1,11 @@
 """The Keras layer's device path: the statistics stay TF tensors on the input's device,
 the collective is a graph op, the checks are deferred flags; no host hop in the step.
 
-The buffers are summed by Horovod's allreduce (NCCL where Horovod has GPU support), and
-inside XLA (``jit_compile=True``, CPU) by hvd_syncbn's XLA allreduce over MPI
-(:mod:`hvd_syncbn.tensorflow.xla`), whose wait ends at the timeout. Each carries a
+The buffers are summed by hvd_syncbn's XLA allreduce over MPI
+(:mod:`hvd_syncbn.tensorflow.xla`, CPU), whose wait ends at the timeout: inside XLA
+(``jit_compile=True``), and outside it where the layer's transport is MPI (TensorFlow
+compiles the op alone; no Horovod cycle to wait for). Otherwise (a GPU
+machine, horovodrun) by Horovod's allreduce, NCCL where Horovod has GPU support. Each carries a
 static identity header (:func:`hvd_syncbn.comm.static_header`): where the ranks summed
 different collectives the buffer comes back NaN, which the checks read as the mismatch
 flag. The flags (:mod:`hvd_syncbn.deferred`) accumulate in each layer's
@@ -43,8 +45,9 @@ class DeferredChecks:
 
 
 class GraphReducer:
-    """Sums a float64 buffer over the ranks of ``comm``'s group by a graph op (Horovod's
-    allreduce; inside XLA, :func:`hvd_syncbn.tensorflow.xla.allreduce` over MPI), behind
+    """Sums a float64 buffer over the ranks of ``comm``'s group by a graph op
+    (:func:`hvd_syncbn.tensorflow.xla.allreduce` over MPI inside XLA and where ``comm`` is
+    MPI on the CPU, else Horovod's allreduce), behind
     a static header; a header that does not sum up makes the buffer NaN and sets the
     mismatch flag in ``errors`` (the layer's ``_sync_errors``), in either direction.
 
@@ -77,7 +80,7 @@ class GraphReducer:
 
     def _sum(self, full: tf.Tensor, name: str) -> tf.Tensor:
         layer = self.identity[0]
-        if xla.in_xla():
+        if xla.in_xla() or (isinstance(self.comm, MpiCommunicator) and xla.available() is None):
             return xla.allreduce(full, name, comm=self._mpi(layer), timeout=get_timeout())
         hvd = transports.horovod(f"{layer}: the device path (stats='device') outside XLA")
         if not hvd.is_initialized():
