@@ -36,8 +36,9 @@
 # interface named as the hosts' one), with -np N*S -H P-host0:S,... --gloo
 # --network-interface eth0, and a fake ssh first on PATH that runs the command in the
 # host's namespace as the agent does; horovodrun's command carries the environment.
-# Every process the script starts on a host (and the relay) has HVD_NETNS_HOSTS=P in its
-# environment: --cleanup ends those a killed run left. Its exit status is the job's.
+# Every process the script starts (mpirun or horovodrun, the relay, what runs on a host)
+# has HVD_NETNS_HOSTS=P in its environment: --cleanup ends those a killed run left (mpirun
+# would otherwise wait for its lost hosts until its keepalive). Its exit status is the job's.
 set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 
@@ -140,6 +141,12 @@ cleanup() {
   for ns in "${made_ns[@]}"; do remove_namespace "$ns"; done
   for link in "${made_links[@]}"; do ip link del "$link" 2>/dev/null || true; done
   rm -rf "$tmp" "${made_dirs[@]}"
+  for _ in $(seq 20); do  # what outlived its namespace's TERM was sent KILL: let it go
+    [ -n "$(marked)" ] || break
+    # shellcheck disable=SC2046
+    kill -KILL $(marked) 2>/dev/null || true
+    sleep 0.1
+  done
   [ -z "$(leftovers)" ] || { log "could not remove: $(leftovers | tr '\n' ' ')"; rc=1; }
   exit "$rc"
 }
@@ -246,7 +253,7 @@ log "$hosts hosts x $slots slots: $(tr '\n' ' ' < "$hostfile")(namespaces ${pref
 # --- the job: in the background, so that a signal reaches the trap at once -----------
 if [ "$launcher" = mpirun ]; then
   net=$subnet.0/24
-  bash "$ROOT/launch/mpirun.sh" -np $((hosts * slots)) --hostfile "$hostfile" \
+  HVD_NETNS_HOSTS=$prefix bash "$ROOT/launch/mpirun.sh" -np $((hosts * slots)) --hostfile "$hostfile" \
     --mca plm_rsh_agent "$agent" --mca plm_rsh_no_tree_spawn 1 \
     --mca btl tcp,self,vader --mca btl_tcp_if_include "$net" --mca oob_tcp_if_include "$net" \
     "${opts[@]}" -- "$@" &
