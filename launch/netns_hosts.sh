@@ -17,7 +17,8 @@
 #   delayed 20 ms, each way) no bridge: launch/netns_relay.py, at real-time priority,
 #   makes a TUN device per host (moved into the host as its eth0) and one here (Ptr,
 #   A.B.C.1/24), and forwards the IP packets between them, dropping and delaying them;
-#   it prints how many it dropped when the job ends. (This kernel has no tc netem.)
+#   it prints how many it dropped when the job ends; SIGUSR1 to it cuts every link (a
+#   partition, 100% loss), SIGUSR2 mends them. (This kernel has no tc netem.)
 # - a hostfile listing A.B.C.(10+i) slots=S, and an rsh agent that mpirun calls as
 #   `agent HOST COMMAND...` instead of ssh: it runs COMMAND (mpirun's orted) in HOST's
 #   namespace, in a UTS namespace of its own with that hostname, with a login-like

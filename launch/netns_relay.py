@@ -10,8 +10,9 @@ device whose ``IP`` is the packet's destination (any other destination: the firs
 device), after dropping it with probability ``--loss`` and holding it ``--delay-ms``.
 The devices can be moved to other namespaces once ``ready`` is printed (``ip link set
 NAME netns NS name eth0``): the relay keeps their file descriptors, and the devices go
-away with it. It dies with its parent (``PR_SET_PDEATHSIG``), and on SIGTERM or SIGINT
-prints how many packets it forwarded and dropped. Run it at real-time priority
+away with it. SIGUSR1 cuts every link (a partition: from then on every packet is
+dropped), SIGUSR2 mends them. It dies with its parent (``PR_SET_PDEATHSIG``), and on
+SIGTERM or SIGINT prints how many packets it forwarded and dropped. Run it at real-time priority
 (``chrt -f 50``): ranks that busy-wait on every core otherwise delay it by far more than
 ``--delay-ms``, and a test then measures the relay instead of the network. Standard
 library only; Linux, root (or CAP_NET_ADMIN).
@@ -72,9 +73,11 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
-def relay(fds: dict, default_fd: int, loss: float, delay: float, rng: random.Random, counts: dict) -> None:
-    """Forwards forever: reads every ready device, queues what survives the loss for its
-    due time, writes what is due. ``fds`` maps a destination (4 bytes) to its device."""
+def relay(fds: dict, default_fd: int, loss: float, delay: float, rng: random.Random, counts: dict,
+          cut: dict) -> None:
+    """Forwards forever: reads every ready device, queues what survives the loss (and
+    ``cut["now"]``, a partition) for its due time, writes what is due. ``fds`` maps a
+    destination (4 bytes) to its device."""
     queue: list = []  # (due, sequence, fd, packet): equal delays keep each device's order
     sequence = 0
     poller = select.poll()
@@ -93,6 +96,9 @@ def relay(fds: dict, default_fd: int, loss: float, delay: float, rng: random.Ran
                     break
                 if len(packet) < 20 or packet[0] >> 4 != 4:  # not IPv4 (IPv6 router solicitations)
                     counts["other"] += 1
+                    continue
+                if cut["now"]:
+                    counts["cut"] += 1
                     continue
                 if loss and rng.random() < loss:
                     counts["dropped"] += 1
@@ -118,19 +124,23 @@ def main() -> None:
         fd = open_tun(name)
         fds[bytes(map(int, ip.split(".")))] = fd
         first = fd if first is None else first
-    counts = {"forwarded": 0, "dropped": 0, "other": 0}
+    counts = {"forwarded": 0, "dropped": 0, "cut": 0, "other": 0}
+    cut = {"now": False}
 
     def report(signum: int, _frame) -> None:
         sent = counts["forwarded"] + counts["dropped"]
         print(f"[netns_relay] {counts['forwarded']} packets forwarded, {counts['dropped']} dropped "
               f"({100 * counts['dropped'] / max(sent, 1):.1f}% of {sent}; --loss {args.loss:g}), each delayed "
-              f"{args.delay_ms:g} ms; {counts['other']} not IPv4, ignored", file=sys.stderr, flush=True)
+              f"{args.delay_ms:g} ms; {counts['cut']} dropped by a cut (SIGUSR1); {counts['other']} not IPv4, ignored",
+              file=sys.stderr, flush=True)
         sys.exit(128 + signum)
 
     signal.signal(signal.SIGTERM, report)
     signal.signal(signal.SIGINT, report)
+    signal.signal(signal.SIGUSR1, lambda *_: cut.update(now=True))
+    signal.signal(signal.SIGUSR2, lambda *_: cut.update(now=False))
     print("ready", flush=True)
-    relay(fds, first, args.loss, args.delay_ms / 1000, random.Random(args.seed), counts)
+    relay(fds, first, args.loss, args.delay_ms / 1000, random.Random(args.seed), counts, cut)
 
 
 if __name__ == "__main__":
