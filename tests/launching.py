@@ -35,11 +35,12 @@ def clean_env() -> dict:
 
 def launch_command(launcher: str, np_: int) -> list:
     """The launcher's part of a command line for ``np_`` ranks on this machine: ``plain``
-    (none), ``horovodrun-gloo`` or ``mpirun``."""
+    (none), ``horovodrun-gloo``, ``horovodrun-mpi`` (horovodrun running mpirun, which
+    exports the whole environment) or ``mpirun``."""
     if launcher == "plain":
         return []
-    if launcher == "horovodrun-gloo":
-        return [str(BIN / "horovodrun"), "--gloo", "-np", str(np_), "-H", f"localhost:{np_}"]
+    if launcher.startswith("horovodrun-"):
+        return [str(BIN / "horovodrun"), "--" + launcher.split("-")[1], "-np", str(np_), "-H", f"localhost:{np_}"]
     mpirun = shutil.which("mpirun")
     assert mpirun, "mpirun not found: run launch/install.sh"
     root = ["--allow-run-as-root"] if os.geteuid() == 0 else []
@@ -56,10 +57,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_suite(launcher: str, np_: int, suites: Union[str, Sequence[str]], comm: str = "", **extra: str) -> str:
+def run_suite(launcher: str, np_: int, suites: Union[str, Sequence[str]], comm: str = "", select: str = "",
+              **extra: str) -> str:
     """Run the pytest files ``suites`` at ``np_`` ranks, one pytest process per rank over
     all of them (one start-up for several files); ``comm`` sets HVD_SYNCBN_COMM (default:
-    auto); ``extra``, more variables of the ranks' environment. Passes only if every rank
+    auto); ``select``, a pytest ``-k`` expression (default: every test); ``extra``, more
+    variables of the ranks' environment. Passes only if every rank
     reports all its tests passed, none skipped; ranks stop at their first failure
     (``-x``), so the launcher ends the job instead of the others waiting in a collective."""
     suites = [suites] if isinstance(suites, str) else list(suites)
@@ -75,7 +78,7 @@ def run_suite(launcher: str, np_: int, suites: Union[str, Sequence[str]], comm: 
         passed = [a for k in forwarded if launcher == "mpirun" for a in ("-x", k)]
         cmd = launch_command(launcher, np_) + files + passed + [
             sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "--color=no", *suites,
-        ]
+        ] + (["-k", select] if select else [])
         out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
         logs = [f.read_text() for f in sorted(Path(outputs).glob("*/rank.*/stdout"))] if files else []
     log = "\n".join([out.stdout, out.stderr])

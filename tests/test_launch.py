@@ -26,12 +26,17 @@ KERAS_DEFAULTS = "tests/ranks_keras_defaults.py"
 KERAS_MODELS = "tests/ranks_keras_models.py"
 XLA = "tests/ranks_xla.py"  # the XLA allreduce: over MPI, so plainly and under mpirun
 SLOW = (MODELS, KERAS_MODELS)
+# What a transport or world size changes in the Keras suite: the oracle cases on both
+# paths and inside XLA, unequal shards in a fit, a single global row, the transport rule
+# (the rest checks the layer, and runs in the launches at 2 ranks and under mpirun at 3).
+TRANSPORT_TF = "global_batch or unequal_shards or fit_inside_xla or single_global_row or transport"
 COMPILE = "tests/ranks_compile.py"
 # ranks_torch.py and ranks_models.py make process sets, which Horovod allows only when
 # asked for before hvd.init(), whichever file of the launch calls it first.
 SETS = dict(HOROVOD_DYNAMIC_PROCESS_SETS="1")
 
-# (files, launcher, ranks, HVD_SYNCBN_COMM, environment). What the 28 launches before
+# (files, launcher, ranks, HVD_SYNCBN_COMM, more of run_suite's arguments: the ranks'
+# environment, and ``select``, a -k expression where a launch only changes the transport). What the 28 launches before
 # ran, in 17: every file runs at every launcher, world size and transport it ran at,
 # except the real models (``SLOW``), which test the layers in training, not the transport.
 # The layers' transport is automatic (""): Horovod under horovodrun, MPI under mpirun.
@@ -50,15 +55,17 @@ LAUNCHES = [
     # transports (the host path under horovodrun, the device path under mpirun), and
     # Keras's defaults on a GPU machine under horovodrun, the README's launcher (ranks_tf.py
     # has the default compile on a GPU machine everywhere); the XLA allreduce (MPI only) at
-    # 1 rank and under mpirun.
+    # 1 rank and under mpirun. Under horovodrun at 3 ranks and over Horovod's MPI
+    # controller, only what the transport changes (TRANSPORT_TF).
     ([TF, XLA], "plain", 1, "", {}),
     ([TF, KERAS_BN, KERAS_DEFAULTS], "horovodrun-gloo", 2, "", {}),
     ([TF, KERAS_BN, KERAS_MODELS, XLA], "mpirun", 2, "", {}),
-    ([TF], "horovodrun-gloo", 3, "", {}),
+    ([TF], "horovodrun-gloo", 3, "", dict(select=TRANSPORT_TF)),
     ([TF, KERAS_MODELS, XLA], "mpirun", 3, "", {}),
-    # The other transports: Horovod's MPI controller under mpirun, torch.distributed (Gloo).
+    # The other transports: Horovod's MPI controller under mpirun (for Keras under
+    # horovodrun --mpi, which runs mpirun: its XLA cases sum over MPI), torch.distributed (Gloo).
     (TORCH, "mpirun", 2, "horovod", SETS),
-    ([TF], "mpirun", 2, "horovod", {}),
+    ([TF], "horovodrun-mpi", 2, "horovod", dict(select=TRANSPORT_TF + " or default_compile")),
     (["tests/ranks_torch.py"], "horovodrun-gloo", 2, "torch", SETS),
     # The device path, eager and compiled: functional collectives on a private group
     # bootstrapped over MPI, then on the user's Gloo group (one launch each at 2 and 3
