@@ -35,17 +35,17 @@ def mobilenet_v2(last=None):
     return keras.Model(full.input, keras.layers.Dense(3)(x), name="mobilenetv2_head")
 
 
-# The three ways a converted model's statistics travel: over the host (numpy_function),
-# on the device (a graph op: Horovod's, or the XLA allreduce over MPI under mpirun),
-# inside XLA (jit_compile=True, where the default stats, "auto", take the device path,
-# summed by the XLA allreduce). The device path and
-# XLA train MobileNetV2's first two blocks (6 BN layers, maps of 16x16 and 8x8): on the
-# whole model, at 2 ranks on the 2 shared cores (load ~9), XLA took 410 s to compile and
-# fit, the device path 250 s, the host path 160 s; on the first four blocks 56 s and 33 s
-# (load ~4), on the first two 43 s and 16 s, mostly XLA's compile. Each path runs at one
-# world size (what the world size changes, the collective, ranks_tf.py checks at 2 and 3
-# ranks on every path): the whole model on the host path at 3 ranks (unequal shards in an
-# odd world; 87 s at 2 ranks, load ~4), the device path and XLA at 2.
+# The three ways a converted model's statistics travel: over the host (numpy_function), on
+# the device (a graph op: Horovod's, or the XLA allreduce over MPI under mpirun), inside
+# XLA (jit_compile=True, where the default stats, "auto", take the device path, summed by
+# the XLA allreduce). The device path and XLA train MobileNetV2's first two blocks (6 BN
+# layers, maps of 16x16 and 8x8): on the whole model, at 2 ranks on the 2 shared cores
+# (load ~9), XLA took 410 s to compile and fit, the device path 250 s, the host path 160
+# s; on the first four blocks 56 s and 33 s (load ~4), on the first two 43 s and 16 s,
+# mostly XLA's compile. Each path runs at one world size (what the world size changes, the
+# collective, ranks_tf.py checks at 2 and 3 ranks on every path): the whole model on the
+# host path at 3 ranks (unequal shards in an odd world; 87 s at 2 ranks, load ~4), the
+# device path and XLA at 2.
 PATHS = {"host": dict(stats="host"), "device": dict(stats="device", last="block_1_project_BN"),
          "xla": dict(jit_compile=True, last="block_1_project_BN")}
 PATHS = {path: kwargs for path, kwargs in PATHS.items() if (path == "host") == (WORLD == 3)}

@@ -36,10 +36,11 @@ COMPILE = "tests/ranks_compile.py"
 SETS = dict(HOROVOD_DYNAMIC_PROCESS_SETS="1")
 
 # (files, launcher, ranks, HVD_SYNCBN_COMM, more of run_suite's arguments: the ranks'
-# environment, and ``select``, a -k expression where a launch only changes the transport). What the 28 launches before
-# ran, in 17: every file runs at every launcher, world size and transport it ran at,
-# except the real models (``SLOW``), which test the layers in training, not the transport.
-# The layers' transport is automatic (""): Horovod under horovodrun, MPI under mpirun.
+# environment, and ``select``, a -k expression where a launch only changes the transport).
+# What the 28 launches before ran, in 17: every file runs at every launcher, world size
+# and transport it ran at, except the real models (``SLOW``), which test the layers in
+# training, not the transport. The layers' transport is automatic (""): Horovod under
+# horovodrun, MPI under mpirun.
 LAUNCHES = [
     # The PyTorch suites, at 1 rank plainly, 2 and 3 under horovodrun (Gloo) and mpirun.
     # The real models (slow) alone and at 3 ranks under mpirun only (unequal shards, an
