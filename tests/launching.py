@@ -72,15 +72,16 @@ def run_suite(launcher: str, np_: int, suites: Union[str, Sequence[str]], comm: 
         env.update(HVD_SYNCBN_COMM=comm, HVD_SYNCBN_TEST_INIT=f"tcp://127.0.0.1:{free_port()}")
         forwarded += ["HVD_SYNCBN_COMM", "HVD_SYNCBN_TEST_INIT"]
     with tempfile.TemporaryDirectory() as outputs:
-        # mpirun forwards output in chunks, so one rank's summary can land mid-line between
-        # another's progress dots: under mpirun each rank writes a file of its own.
-        files = ["--output-filename", outputs] if launcher == "mpirun" else []
+        # mpirun (also under horovodrun --mpi) forwards output in chunks, so one rank's summary
+        # can land mid-line between another's progress dots: each rank writes a file of its own
+        # (mpirun: <dir>/1/rank.N/stdout; horovodrun --gloo: <dir>/rank.N/stdout).
+        files = ["--output-filename", outputs] if launcher != "plain" else []
         passed = [a for k in forwarded if launcher == "mpirun" for a in ("-x", k)]
         cmd = launch_command(launcher, np_) + files + passed + [
             sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "--color=no", *suites,
         ] + (["-k", select] if select else [])
         out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
-        logs = [f.read_text() for f in sorted(Path(outputs).glob("*/rank.*/stdout"))] if files else []
+        logs = [f.read_text() for f in sorted(Path(outputs).rglob("rank.*/stdout"))] if files else []
     log = "\n".join([out.stdout, out.stderr])
     summaries = re.findall(SUMMARY, "\n".join(logs) if files else log, re.M)  # mpirun also echoes
     assert out.returncode == 0, f"{' '.join(cmd)} exited {out.returncode}:\n{log[-6000:]}"
