@@ -91,9 +91,11 @@ def expected(sizes):
 
 
 # aot_eager first: its first step builds the transport (over torch, the private group)
-# while Dynamo traces. inductor around the custom op runs over mpi; horovod changes only
-# the op's transport.
-MODES = ["aot_eager", "eager-host", "eager-device"] + (["inductor"] if COMM != "horovod" else [])
+# while Dynamo traces. inductor (7-45 s a compile here) lowers what aot_eager traced: once
+# around the functional collectives (the private group) and once around the custom op
+# (over mpi; horovod changes only the op's transport), at 2 ranks, where it runs unequal
+# shards as at 3 (it cannot run the empty one).
+MODES = ["aot_eager", "eager-host", "eager-device"] + (["inductor"] if COMM != "horovod" and WORLD == 2 else [])
 
 
 def transport_of(model) -> str:
@@ -155,7 +157,7 @@ if COMM == "torch":
         EXPECTED = "torch"
         assert torch_transports.resolve("auto", None, "probe").kind == "torch"
 
-    @pytest.mark.parametrize("mode", MODES)
+    @pytest.mark.parametrize("mode", [m for m in MODES if m != "inductor"])  # its lowering: as the private group's
     def test_on_the_users_group_converted_cnn_matches_plain_bn_on_the_whole_batch(mode):
         trains_as_plain_bn_on_the_whole_batch(mode)
 

@@ -2,8 +2,9 @@
 ``keras.applications`` model, and ``model.fit`` with each optimizer.
 
 They test the layers and the optimizer wrapper in real training, not the transport, so
-``test_launch.py`` runs them at 2 and 3 ranks under mpirun only (``ranks_models.py``, for
-PyTorch, at 1 and 3); ``ranks_tf.py`` keeps a small model's fit in every launch.
+``test_launch.py`` runs them under mpirun only: the optimizers at 2 ranks, MobileNetV2 at
+the world size its path states below (``ranks_models.py``, for PyTorch, at 1 and 3);
+``ranks_tf.py`` keeps a small model's fit in every launch.
 """
 
 from __future__ import annotations
