@@ -227,6 +227,14 @@ def gpu_listed():
     return mock.patch.object(tf.config, "list_physical_devices", listed)
 
 
+def receive_weights(model, root: int, name: str) -> None:
+    """Sets ``model``'s weights to rank ``root``'s, in one broadcast."""
+    weights = model.get_weights()
+    flat = hvd.broadcast(tf.constant(np.concatenate([w.ravel() for w in weights])), root, name=name).numpy()
+    ends = np.cumsum([w.size for w in weights])
+    model.set_weights([part.reshape(w.shape) for part, w in zip(np.split(flat, ends[:-1]), weights)])
+
+
 def fit_like_one_process(make_model, make_opt, tail, classes, per_rank=2, steps=3, as_accurate_as_float32=False,
                          pattern=None, on_gpu_host=False, jit_compile="auto", stats=None):
     """``model.fit`` on this rank's slices == one process fitting the whole batches
@@ -243,6 +251,9 @@ def fit_like_one_process(make_model, make_opt, tail, classes, per_rank=2, steps=
     With ``jit_compile=True`` plain float32 is compiled by XLA too: XLA's float32 kernels
     round differently (plain float32 under XLA is up to 5x further from float64 on some
     moving means and biases of MobileNetV2's first blocks than without it).
+
+    Each reference is fitted by one rank (float64 by rank 0, float32 by rank 1 where
+    there is one) and broadcast: the same one process, computed once.
 
     ``on_gpu_host``: ``compile()`` with its defaults while a GPU is listed.
     ``jit_compile``: ``compile()``'s, asserted to stand. ``stats``: the converted layers'.
@@ -279,9 +290,12 @@ def fit_like_one_process(make_model, make_opt, tail, classes, per_rank=2, steps=
         assert sync.jit_compile is True, "Keras turned XLA off"
     hist = sync.fit(x_all[mine], y_all[mine], batch_size=max(sizes[RANK], 1), shuffle=False, verbose=0,
                     callbacks=[BroadcastGlobalVariablesCallback(0), MetricAverageCallback(), CheckSyncBatchNorm()])
-    for dtype, model in references.items():  # float32 compiled as ours: XLA's float32 rounds differently
-        model.compile(optimizer=make_opt(), loss="mse", jit_compile=jit_compile is True and dtype == "float32")
-        model.fit(x_all, y_all, batch_size=rows, shuffle=False, verbose=0)
+    for i, (dtype, model) in enumerate(references.items()):  # float32 compiled as ours: XLA's rounds differently
+        owner = i % WORLD  # one rank fits each reference (the same one process on every rank) and sends it
+        if RANK == owner:
+            model.compile(optimizer=make_opt(), loss="mse", jit_compile=jit_compile is True and dtype == "float32")
+            model.fit(x_all, y_all, batch_size=rows, shuffle=False, verbose=0)
+        receive_weights(model, owner, f"test.reference.{dtype}")
     if as_accurate_as_float32:
         ref, ref32 = ({a.path: b for a, b in zip(sync.weights, references[d].weights)} for d in ("float64", "float32"))
         assert_as_accurate({a.path: a for a in sync.weights}, ref32, ref, f"after {steps} steps, rank {RANK}", k=8)
