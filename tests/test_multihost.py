@@ -139,10 +139,9 @@ def test_topology_hosts_and_ranks(tmp_path):
 
 
 # What crosses hosts is the transport: PyTorch's suite whole, Keras's oracle cases on both
-# paths and inside XLA, a fit, and the transport rule (the rest of ranks_tf.py checks the
-# layer at 2 and 3 ranks in test_launch.py, where the hosts change nothing).
-ACROSS_HOSTS = {"tests/ranks_torch.py": [],
-                "tests/ranks_tf.py": ["-k", "global_batch or unequal_shards or fit_inside_xla or transport"]}
+# paths and inside XLA, and the transport rule (the rest of ranks_tf.py, fits included,
+# checks the layer at 2 and 3 ranks in test_launch.py, where the hosts change nothing).
+ACROSS_HOSTS = {"tests/ranks_torch.py": [], "tests/ranks_tf.py": ["-k", "global_batch or transport"]}
 
 
 @pytest.mark.parametrize("suite", list(ACROSS_HOSTS))
