@@ -28,7 +28,7 @@ XLA = "tests/ranks_xla.py"  # the XLA allreduce: over MPI, so plainly and under 
 SLOW = (MODELS, KERAS_MODELS)
 # What a transport or world size changes in the Keras suite: the oracle cases on both
 # paths and inside XLA, unequal shards in a fit, a single global row, the transport rule
-# (the rest checks the layer, and runs in the launches at 2 ranks and under mpirun at 3).
+# (the rest checks the layer, and runs in the launches at 1 and 2 ranks).
 TRANSPORT_TF = "global_batch or unequal_shards or fit_inside_xla or single_global_row or transport"
 # At 3 ranks under mpirun, also what an odd world with an empty rank changes beyond that:
 # the renorm fit's empty tower, the mismatch naming two waiting ranks, the converted
@@ -41,11 +41,11 @@ COMPILE = "tests/ranks_compile.py"
 SETS = dict(HOROVOD_DYNAMIC_PROCESS_SETS="1")
 
 # (files, launcher, ranks, HVD_SYNCBN_COMM, more of run_suite's arguments: the ranks'
-# environment, and ``select``, a -k expression where a launch only changes the transport).
-# What the 28 launches before ran, in 17: every file runs at every launcher, world size
-# and transport it ran at, except the real models (``SLOW``), which test the layers in
-# training, not the transport. The layers' transport is automatic (""): Horovod under
-# horovodrun, MPI under mpirun.
+# environment, and ``select``, a -k expression where a launch only changes the transport
+# or the world size). Every file runs at every launcher, world size and transport, the
+# tests that launch changes (``select``), except the real models (``SLOW``), which test
+# the layers in training, not the transport. The layers' transport is automatic (""):
+# Horovod under horovodrun, MPI under mpirun.
 LAUNCHES = [
     # The PyTorch suites, at 1 rank plainly, 2 and 3 under horovodrun (Gloo) and mpirun.
     # The real models (slow) alone and at 3 ranks under mpirun only (unequal shards, an
