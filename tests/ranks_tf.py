@@ -33,7 +33,11 @@ from oracle import (  # noqa: E402
     shard_sizes, shard_slice, train_like_one_process, training_batches,
 )
 
-os.environ.setdefault("HOROVOD_TIMELINE", "DYNAMIC")
+# Horovod's dynamic timeline counts the collectives, in one launch (test_launch.py sets
+# HOROVOD_TIMELINE=DYNAMIC there): while it is on, its writer thread spins in
+# sched_yield on rank 0 for the whole process (a third of a core here), so the other
+# launches go without it and without the test that reads it.
+TIMELINE = os.environ.get("HOROVOD_TIMELINE") == "DYNAMIC"
 # Two logical CPUs: the towers and tf.distribute replicas of the in-process tests.
 tf.config.set_logical_device_configuration(
     tf.config.list_physical_devices("CPU")[0], [tf.config.LogicalDeviceConfiguration()] * 2
@@ -449,7 +453,7 @@ def test_mirrored_strategy_replicas_and_ranks_sync_together():
     assert_close(bn.moving_variance, var_ref, "moving variance = global batch variance")
 
 
-def test_gradients_travel_in_few_collectives_not_one_per_variable(rank_tmp):
+def gradients_travel_in_few_collectives_not_one_per_variable(rank_tmp):
     """Counted in Horovod's timeline: distinct collective executions for the gradients."""
     keras.utils.set_random_seed(0)
     model = convert_sync_batchnorm(small_model())
@@ -477,6 +481,10 @@ def test_gradients_travel_in_few_collectives_not_one_per_variable(rank_tmp):
     else:
         assert len(grads) >= variables, f"expected every gradient in the timeline, saw {len(grads)}"
         assert 1 <= len(runs) <= 2 * 2, f"{len(runs)} gradient collectives in 2 steps for {variables} variables"
+
+
+if TIMELINE:
+    test_gradients_travel_in_few_collectives_not_one_per_variable = gradients_travel_in_few_collectives_not_one_per_variable
 
 
 def test_mixed_float16_fit_with_loss_scaling():

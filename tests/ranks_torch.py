@@ -37,7 +37,11 @@ from oracle import (
 hvd = pytest.importorskip("horovod.torch")
 
 os.environ.setdefault("HOROVOD_DYNAMIC_PROCESS_SETS", "1")
-os.environ.setdefault("HOROVOD_TIMELINE", "DYNAMIC")
+# Horovod's dynamic timeline counts the collectives, in one launch (test_launch.py sets
+# HOROVOD_TIMELINE=DYNAMIC there): while it is on, its writer thread spins in
+# sched_yield on rank 0 for the whole process (a third of a core here), so the other
+# launches go without it and without the test that reads it.
+TIMELINE = os.environ.get("HOROVOD_TIMELINE") == "DYNAMIC"
 hvd.init()
 RANK, WORLD = hvd.rank(), hvd.size()
 # test_launch.py runs this suite once with the layers' statistics over torch.distributed.
@@ -250,7 +254,7 @@ def test_process_set_syncs_only_within_itself():
             hvd.remove_process_set(ps)
 
 
-def test_exactly_one_allreduce_per_direction_per_layer(rank_tmp):
+def exactly_one_allreduce_per_direction_per_layer(rank_tmp):
     """Counted in Horovod's own timeline: 2 layers, fwd+bwd -> 2 + 2 allreduces."""
     path = str(rank_tmp / "timeline.json")
     layers = [SyncBatchNorm(4, name=f"count.{k}", comm="horovod") for k in "ab"]
@@ -273,6 +277,10 @@ def test_exactly_one_allreduce_per_direction_per_layer(rank_tmp):
         f"hvd_syncbn.count.{layer}.{d}" for layer in "ab" for d in ("fwd", "bwd")
     )
     assert ours == expected, f"collectives in the timeline: {ours}, expected {expected}"
+
+
+if TIMELINE:
+    test_exactly_one_allreduce_per_direction_per_layer = exactly_one_allreduce_per_direction_per_layer
 
 
 def _state(layer):

@@ -39,6 +39,9 @@ COMPILE = "tests/ranks_compile.py"
 # ranks_torch.py and ranks_models.py make process sets, which Horovod allows only when
 # asked for before hvd.init(), whichever file of the launch calls it first.
 SETS = dict(HOROVOD_DYNAMIC_PROCESS_SETS="1")
+# Horovod's dynamic timeline, for the tests that count collectives in it (ranks_torch.py,
+# ranks_tf.py): in one launch each, as its writer thread spins on rank 0 while it is on.
+TIMELINE = dict(HOROVOD_TIMELINE="DYNAMIC")
 
 # (files, launcher, ranks, HVD_SYNCBN_COMM, more of run_suite's arguments: the ranks'
 # environment, and ``select``, a -k expression where a launch only changes the transport
@@ -52,7 +55,7 @@ LAUNCHES = [
     # odd world): they test the layer in training, not the transport (Horovod's Gloo at 2
     # and 3 ranks is covered by the other files).
     (TORCH + [MODELS], "plain", 1, "", SETS),
-    (TORCH, "horovodrun-gloo", 2, "", SETS),
+    (TORCH, "horovodrun-gloo", 2, "", dict(SETS, **TIMELINE)),
     (TORCH, "mpirun", 2, "", SETS),
     (TORCH, "horovodrun-gloo", 3, "", SETS),
     (TORCH + [MODELS], "mpirun", 3, "", SETS),
@@ -64,7 +67,7 @@ LAUNCHES = [
     # 1 rank and under mpirun. Under horovodrun at 3 ranks and over Horovod's MPI
     # controller, only what the transport changes (TRANSPORT_TF).
     ([TF, XLA], "plain", 1, "", {}),
-    ([TF, KERAS_BN, KERAS_DEFAULTS], "horovodrun-gloo", 2, "", {}),
+    ([TF, KERAS_BN, KERAS_DEFAULTS], "horovodrun-gloo", 2, "", TIMELINE),
     ([TF, KERAS_BN, KERAS_MODELS, XLA], "mpirun", 2, "", {}),
     ([TF], "horovodrun-gloo", 3, "", dict(select=TRANSPORT_TF)),
     ([TF, KERAS_MODELS, XLA], "mpirun", 3, "", dict(select=ODD_WORLD_TF)),
