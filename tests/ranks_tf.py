@@ -33,10 +33,8 @@ from oracle import (  # noqa: E402
     shard_sizes, shard_slice, train_like_one_process, training_batches,
 )
 
-# Horovod's dynamic timeline counts the collectives, in one launch (test_launch.py sets
-# HOROVOD_TIMELINE=DYNAMIC there): while it is on, its writer thread spins in
-# sched_yield on rank 0 for the whole process (a third of a core here), so the other
-# launches go without it and without the test that reads it.
+# The test that counts collectives in Horovod's timeline exists where test_launch.py turns
+# the timeline on (TIMELINE there says why in one launch only).
 TIMELINE = os.environ.get("HOROVOD_TIMELINE") == "DYNAMIC"
 # Two logical CPUs: the towers and tf.distribute replicas of the in-process tests.
 tf.config.set_logical_device_configuration(

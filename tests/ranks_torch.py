@@ -37,10 +37,8 @@ from oracle import (
 hvd = pytest.importorskip("horovod.torch")
 
 os.environ.setdefault("HOROVOD_DYNAMIC_PROCESS_SETS", "1")
-# Horovod's dynamic timeline counts the collectives, in one launch (test_launch.py sets
-# HOROVOD_TIMELINE=DYNAMIC there): while it is on, its writer thread spins in
-# sched_yield on rank 0 for the whole process (a third of a core here), so the other
-# launches go without it and without the test that reads it.
+# The test that counts collectives in Horovod's timeline exists where test_launch.py turns
+# the timeline on (TIMELINE there says why in one launch only).
 TIMELINE = os.environ.get("HOROVOD_TIMELINE") == "DYNAMIC"
 hvd.init()
 RANK, WORLD = hvd.rank(), hvd.size()

@@ -40,7 +40,8 @@ COMPILE = "tests/ranks_compile.py"
 # asked for before hvd.init(), whichever file of the launch calls it first.
 SETS = dict(HOROVOD_DYNAMIC_PROCESS_SETS="1")
 # Horovod's dynamic timeline, for the tests that count collectives in it (ranks_torch.py,
-# ranks_tf.py): in one launch each, as its writer thread spins on rank 0 while it is on.
+# ranks_tf.py define them only with it on): in one launch each, as while it is on, rank 0's
+# timeline writer thread spins in sched_yield for the whole process (a third of a core here).
 TIMELINE = dict(HOROVOD_TIMELINE="DYNAMIC")
 
 # (files, launcher, ranks, HVD_SYNCBN_COMM, more of run_suite's arguments: the ranks'
