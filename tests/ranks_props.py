@@ -1,10 +1,11 @@
 """Property-based: PyTorch SyncBatchNorm on random shapes, shards, dtypes and offsets
 equals one process running float64 ``nn.BatchNorm`` on the concatenated batch.
 
-Launched like the other rank-side suites (1 rank plainly, 2 and 3 ranks under
-horovodrun and mpirun). Every rank draws the same examples (``derandomize``, no
-shrinking, so no rank's sequence depends on another's outcome); a rank that fails stops
-its peers through the layer's own timeout instead of leaving them in a collective.
+Launched at 1 rank plainly and at 2 and 3 ranks under mpirun (what it varies is the
+split over the ranks, not the transport: ``test_launch.py``). Every rank draws the same
+examples (``derandomize``, no shrinking, so no rank's sequence depends on another's
+outcome); a rank that fails stops its peers through the layer's own timeout instead of
+leaving them in a collective.
 """
 
 from __future__ import annotations

@@ -18,7 +18,11 @@ from launching import ROOT, TIMEOUT_S, clean_env, launch_command, run_suite
 
 pytestmark = pytest.mark.ranks
 
-TORCH = ["tests/ranks_torch.py", "tests/ranks_props.py"]
+TORCH = ["tests/ranks_torch.py"]
+# What the split over ranks changes, not the transport: hypothesis's random cases and the
+# real models run at 1 rank and under mpirun at 2 and 3 (under horovodrun's Gloo, 200
+# examples took 3.4x and 4.7x as long as under mpirun: Horovod's cycle per collective).
+PROPS = "tests/ranks_props.py"
 MODELS = "tests/ranks_models.py"
 TF = "tests/ranks_tf.py"
 KERAS_BN = "tests/ranks_keras_bn.py"
@@ -30,6 +34,11 @@ SLOW = (MODELS, KERAS_MODELS)
 # paths and inside XLA, unequal shards in a fit, a single global row, the transport rule
 # (the rest checks the layer, and runs in the launches at 1 and 2 ranks).
 TRANSPORT_TF = "global_batch or unequal_shards or fit_inside_xla or single_global_row or transport"
+# At 2 ranks under mpirun, also what the device path's sum over MPI changes (the XLA
+# allreduce outside XLA: its flags, a traced step without a host hop), and the other files
+# whole: Keras's own tests on the device path, the Keras models, the XLA allreduce. The
+# rest of ranks_tf.py runs at 2 ranks under horovodrun.
+MPI_TF = f"{TRANSPORT_TF} or device_path or check_callback or ranks_keras_bn or ranks_keras_models or ranks_xla"
 # At 3 ranks under mpirun, also what an odd world with an empty rank changes beyond that:
 # the renorm fit's empty tower, the mismatch naming two waiting ranks, the converted
 # MobileNetV2 on the host path (its one world size), the XLA allreduce; the optimizers'
@@ -47,29 +56,29 @@ TIMELINE = dict(HOROVOD_TIMELINE="DYNAMIC")
 # (files, launcher, ranks, HVD_SYNCBN_COMM, more of run_suite's arguments: the ranks'
 # environment, and ``select``, a -k expression where a launch only changes the transport
 # or the world size). Every file runs at every launcher, world size and transport, the
-# tests that launch changes (``select``), except the real models (``SLOW``), which test
-# the layers in training, not the transport. The layers' transport is automatic (""):
+# tests that launch changes (``select``), except the real models (``SLOW``) and the random
+# cases (``PROPS``), which test the layers in training and on the split, not the transport. The layers' transport is automatic (""):
 # Horovod under horovodrun, MPI under mpirun.
 LAUNCHES = [
-    # The PyTorch suites, at 1 rank plainly, 2 and 3 under horovodrun (Gloo) and mpirun.
-    # The real models (slow) alone and at 3 ranks under mpirun only (unequal shards, an
-    # odd world): they test the layer in training, not the transport (Horovod's Gloo at 2
-    # and 3 ranks is covered by the other files).
-    (TORCH + [MODELS], "plain", 1, "", SETS),
+    # The PyTorch suite, at 1 rank plainly, 2 and 3 under horovodrun (Gloo) and mpirun;
+    # the random cases at 1, 2 and 3 (PROPS); the real models (slow) at 1 and at 3 ranks
+    # under mpirun only (unequal shards, an odd world): they test the layer in training,
+    # not the transport (Horovod's Gloo at 2 and 3 ranks is covered by ranks_torch.py).
+    (TORCH + [PROPS, MODELS], "plain", 1, "", SETS),
     (TORCH, "horovodrun-gloo", 2, "", dict(SETS, **TIMELINE)),
-    (TORCH, "mpirun", 2, "", SETS),
+    (TORCH + [PROPS], "mpirun", 2, "", SETS),
     (TORCH, "horovodrun-gloo", 3, "", SETS),
-    (TORCH + [MODELS], "mpirun", 3, "", SETS),
-    # The Keras suite likewise (its real models under mpirun at 2 and 3: ODD_WORLD_TF);
-    # Keras's own BN tests with our layer swapped in join it at 2 ranks on both default
-    # transports (the host path under horovodrun, the device path under mpirun), and
-    # Keras's defaults on a GPU machine under horovodrun, the README's launcher (ranks_tf.py
-    # has the default compile on a GPU machine everywhere); the XLA allreduce (MPI only) at
-    # 1 rank and under mpirun. Under horovodrun at 3 ranks and over Horovod's MPI
-    # controller, only what the transport changes (TRANSPORT_TF).
+    (TORCH + [PROPS, MODELS], "mpirun", 3, "", SETS),
+    # The Keras suite likewise, whole at 1 rank and at 2 under horovodrun, the README's
+    # launcher; elsewhere what the launch changes (MPI_TF, TRANSPORT_TF, ODD_WORLD_TF). Its
+    # real models under mpirun at 2 and 3; Keras's own BN tests with our layer swapped in at
+    # 2 ranks on both default transports (the host path under horovodrun, the device path
+    # under mpirun); Keras's defaults on a GPU machine under horovodrun (ranks_tf.py has the
+    # default compile on a GPU machine); the XLA allreduce (MPI only) at 1 rank and under
+    # mpirun.
     ([TF, XLA], "plain", 1, "", {}),
     ([TF, KERAS_BN, KERAS_DEFAULTS], "horovodrun-gloo", 2, "", TIMELINE),
-    ([TF, KERAS_BN, KERAS_MODELS, XLA], "mpirun", 2, "", {}),
+    ([TF, KERAS_BN, KERAS_MODELS, XLA], "mpirun", 2, "", dict(select=MPI_TF)),
     ([TF], "horovodrun-gloo", 3, "", dict(select=TRANSPORT_TF)),
     ([TF, KERAS_MODELS, XLA], "mpirun", 3, "", dict(select=ODD_WORLD_TF)),
     # The other transports: Horovod's MPI controller under mpirun (for Keras under
