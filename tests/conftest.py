@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 import tempfile
 import threading
 from pathlib import Path
@@ -34,6 +35,20 @@ def pytest_configure(config):
     """Registers the tiers' markers: ``pytest -m "not image and not multihost"`` and the like."""
     for name, what in MARKERS.items():
         config.addinivalue_line("markers", f"{name}: {what}")
+
+
+def pytest_collection_finish(session):
+    """Starts the image build in the background when its tests are selected: the tests
+    before them run meanwhile (``test_image.py`` says why)."""
+    if not session.config.option.collectonly and any(item.get_closest_marker("image") for item in session.items):
+        import test_image
+
+        test_image.start_build()
+
+
+def pytest_sessionfinish(session):
+    if "test_image" in sys.modules:
+        sys.modules["test_image"].stop_build()
 
 
 class ThreadComm(comm.Communicator):
