@@ -79,6 +79,10 @@ if [ "${HVD_SYNCBN_REBUILD:-0}" != 1 ] && [ "$built" = "$key" ]; then
   exit 0
 fi
 
+# The image this build replaces, removed at the end once it has lost its tag (else each
+# rebuild would leave its ~3 GB behind).
+previous=$(buildah inspect --type image --format '{{.FromImageID}}' "$TAG" 2>/dev/null || true)
+
 # The wheel cache is this host's own, read-write: install.sh in the build finds the
 # Horovod wheel built here (or builds it here, once), and the Dockerfile deletes its cache
 # folder only when it is not a mount.
@@ -111,6 +115,7 @@ buildah bud --isolation chroot -t "$TAG" --build-arg BASE_IMAGE="$BASE" "${mount
 
 # 3. buildah leaves an empty file or folder where each mount was: remove them in one more
 #    layer.
+built_by_bud=$(buildah inspect --type image --format '{{.FromImageID}}' "$TAG")
 ctr=$(buildah from --pull-never "$TAG")
 rootfs=$(buildah mount "$ctr")
 for path in "${targets[@]}"; do
@@ -120,4 +125,10 @@ done
 buildah umount "$ctr" >/dev/null
 buildah config --label "$LABEL=$key" "$ctr"
 buildah commit -q --rm "$ctr" "$TAG" >/dev/null
+# The untagged images left: buildah bud's (the one above holds its layers) and the previous.
+for id in "$built_by_bud" "$previous"; do
+  if [ -n "$id" ] && [ "$(buildah inspect --type image --format '{{.FromImageID}}' "$TAG")" != "$id" ]; then
+    buildah rmi "$id" >/dev/null 2>&1 || log "kept image $id (a container uses it)"
+  fi
+done
 log "built $TAG in $((SECONDS - start)) s, $(buildah images --format '{{.Size}}' "$TAG")"
