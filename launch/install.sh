@@ -129,9 +129,22 @@ if [ "${HVD_SYNCBN_DROP_BUILD_DEPS:-0}" = 1 ]; then
   fi
 fi
 
-# 7. A check that Horovod has everything we use.
-check=$(PATH="$VENV/bin:$PATH" TF_CPP_MIN_LOG_LEVEL=3 "$VENV/bin/horovodrun" --check-build 2>/dev/null)
-for want in TensorFlow PyTorch MPI Gloo; do
-  grep -q "\[X\] $want" <<<"$check" || { echo "$check" >&2; die "horovodrun --check-build lacks $want"; }
-done
+# 7. A check that Horovod has everything we use: its TensorFlow and PyTorch extensions, each
+#    built with MPI and Gloo. (`horovodrun --check-build` says the same, importing each
+#    framework anew for each feature: 35 s here against 7 s for one import of each.)
+check='
+import sys
+missing = []
+for name, module in [("TensorFlow", "horovod.tensorflow"), ("PyTorch", "horovod.torch")]:
+    try:
+        hvd = __import__(module, fromlist=["mpi_built"])
+    except ImportError as e:
+        missing.append(f"{name} ({e})")
+        continue
+    missing += [f"{op} for {name}" for op in ("MPI", "Gloo") if not getattr(hvd, op.lower() + "_built")()]
+sys.exit("Horovod lacks " + ", ".join(missing) if missing else 0)'
+if ! out=$(TF_CPP_MIN_LOG_LEVEL=3 "$PY" -c "$check" 2>&1); then
+  echo "$out" >&2
+  die "expected Horovod $HOROVOD_VERSION with TensorFlow, PyTorch, MPI and Gloo (above: what it lacks)"
+fi
 log "ready: $VENV (Horovod $HOROVOD_VERSION with TensorFlow, PyTorch, MPI, Gloo)"
