@@ -53,13 +53,16 @@ def start_build() -> None:
 
 
 def stop_build() -> None:
-    """Ends a background build still running (the session is over without the image tests)."""
+    """At the session's end: ends a background build still running (the image tests did not
+    run), and closes its log."""
     if _build and _build["proc"].poll() is None:
         os.killpg(_build["proc"].pid, signal.SIGTERM)  # bash and the buildah under it, which cleans up
         try:
             _build["proc"].wait(timeout=30)
         except subprocess.TimeoutExpired:
             os.killpg(_build["proc"].pid, signal.SIGKILL)
+    if _build:
+        _build["log"].close()
 
 
 @pytest.fixture(scope="module")
