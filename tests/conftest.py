@@ -46,6 +46,13 @@ def pytest_collection_finish(session):
         test_image.start_build()
 
 
+def pytest_runtest_setup(item):
+    """Tests that time how fast ranks stop (``failures``) do not share the cores with the
+    background image build: they wait for it to end."""
+    if item.get_closest_marker("failures") and "test_image" in sys.modules:
+        sys.modules["test_image"].wait_build()
+
+
 def pytest_sessionfinish(session):
     if "test_image" in sys.modules:
         sys.modules["test_image"].stop_build()

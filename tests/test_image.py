@@ -6,7 +6,8 @@ one short epoch each.
 The build starts in the background as soon as these tests are collected (``conftest.py``
 calls :func:`start_build`): on a fresh machine most of it waits on downloads and the
 disk (debootstrap, apt, pip, the layer's commit), so the test files before this one run
-meanwhile, and the fixture only waits for what is left.
+meanwhile, and the fixture only waits for what is left. Tests that time how fast ranks
+stop (marked ``failures``) wait for the build to end instead of sharing the cores with it.
 """
 
 from __future__ import annotations
@@ -52,6 +53,12 @@ def start_build() -> None:
             start_new_session=True))
 
 
+def wait_build() -> None:
+    """Waits for a background build to end (it fails or passes in the fixture below)."""
+    if _build:
+        _build["proc"].wait(timeout=max(1.0, BUILD_TIMEOUT_S - (time.monotonic() - _build["start"])))
+
+
 def stop_build() -> None:
     """At the session's end: ends a background build still running (the image tests did not
     run), and closes its log."""
@@ -69,8 +76,8 @@ def stop_build() -> None:
 def container():
     """A working container of a freshly built image; its name."""
     start_build()
+    wait_build()
     proc, log = _build["proc"], _build["log"]
-    proc.wait(timeout=max(1.0, BUILD_TIMEOUT_S - (time.monotonic() - _build["start"])))
     log.seek(0)
     assert proc.returncode == 0, f"launch/image.sh exited {proc.returncode}:\n{log.read()[-6000:]}"
     print(f"image {TAG} built in {time.monotonic() - _build['start']:.0f} s since the session's start")
