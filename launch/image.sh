@@ -126,8 +126,9 @@ buildah umount "$ctr" >/dev/null
 buildah config --label "$LABEL=$key" "$ctr"
 buildah commit -q --rm "$ctr" "$TAG" >/dev/null
 # The untagged images left: buildah bud's (the one above holds its layers) and the previous.
+final=$(buildah inspect --type image --format '{{.FromImageID}}' "$TAG")
 for id in "$built_by_bud" "$previous"; do
-  if [ -n "$id" ] && [ "$(buildah inspect --type image --format '{{.FromImageID}}' "$TAG")" != "$id" ]; then
+  if [ -n "$id" ] && [ "$id" != "$final" ]; then
     buildah rmi "$id" >/dev/null 2>&1 || log "kept image $id (a container uses it)"
   fi
 done

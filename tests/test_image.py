@@ -80,7 +80,7 @@ def container():
     proc, log = _build["proc"], _build["log"]
     log.seek(0)
     assert proc.returncode == 0, f"launch/image.sh exited {proc.returncode}:\n{log.read()[-6000:]}"
-    print(f"image {TAG} built in {time.monotonic() - _build['start']:.0f} s since the session's start")
+    print(f"image {TAG} built in {time.monotonic() - _build['start']:.0f} s since it started")
     made = sh("buildah", "from", "--pull-never", f"localhost/{TAG}")
     assert made.returncode == 0, made.stderr
     name = made.stdout.strip().splitlines()[-1]

@@ -19,9 +19,9 @@ from launching import ROOT, TIMEOUT_S, clean_env, launch_command, run_suite
 pytestmark = pytest.mark.ranks
 
 TORCH = ["tests/ranks_torch.py"]
-# What the split over ranks changes, not the transport: hypothesis's random cases and the
-# real models run at 1 rank and under mpirun at 2 and 3 (under horovodrun's Gloo, 200
-# examples took 3.4x and 4.7x as long as under mpirun: Horovod's cycle per collective).
+# What the split over ranks changes, not the transport: hypothesis's random cases run at 1
+# rank and under mpirun at 2 and 3 (under horovodrun's Gloo, 200 examples took 3.4x and
+# 4.7x as long as under mpirun: Horovod's cycle per collective).
 PROPS = "tests/ranks_props.py"
 MODELS = "tests/ranks_models.py"
 TF = "tests/ranks_tf.py"
@@ -57,8 +57,8 @@ TIMELINE = dict(HOROVOD_TIMELINE="DYNAMIC")
 # environment, and ``select``, a -k expression where a launch only changes the transport
 # or the world size). Every file runs at every launcher, world size and transport, the
 # tests that launch changes (``select``), except the real models (``SLOW``) and the random
-# cases (``PROPS``), which test the layers in training and on the split, not the transport. The layers' transport is automatic (""):
-# Horovod under horovodrun, MPI under mpirun.
+# cases (``PROPS``), which test the layers in training and on the split, not the transport.
+# The layers' transport is automatic (""): Horovod under horovodrun, MPI under mpirun.
 LAUNCHES = [
     # The PyTorch suite, at 1 rank plainly, 2 and 3 under horovodrun (Gloo) and mpirun;
     # the random cases at 1, 2 and 3 (PROPS); the real models (slow) at 1 and at 3 ranks
