@@ -350,7 +350,11 @@ def backward(step: Step, dys: Sequence[Tensor], parts: Sequence[Tensor], count: 
 def running_update(xp: ArrayOps, olds: Sequence[Tensor], news: Sequence[Tensor], old_weight: Any,
                    updated: Any) -> list:
     """The running-statistics rule: each ``old`` becomes :func:`ema` of it and ``new``
-    where ``updated`` (the global batch had rows and passed its checks), else stays."""
+    where ``updated`` (the global batch had rows and passed its checks), else stays.
+    ``updated`` is a framework boolean, or a Python or numpy one where the host knows it
+    (then no select is made)."""
+    if isinstance(updated, (bool, np.bool_)):
+        return [ema(old, new, old_weight) if updated else old for old, new in zip(olds, news)]
     return [xp.where(updated, ema(old, new, old_weight), old) for old, new in zip(olds, news)]
 
 

@@ -239,9 +239,12 @@ class SyncBatchNorm(_BatchNorm):
         if not (self.training and self.track_running_stats):
             return
         xp, updated = kernels.xp, (count[0] > 0) & ok
+        known = not isinstance(updated, Tensor)  # the host path: numpy statistics, the checks raised
+        if known and not updated:
+            return
         with torch.no_grad():
             tracked = self.num_batches_tracked
-            tracked.add_(torch.as_tensor(updated, device=tracked.device).to(tracked.dtype))
+            tracked.add_(1 if known else updated.to(tracked.device, tracked.dtype))
             momentum = self.momentum if self.momentum is not None else 1.0 / xp.maximum(kernels.wide(tracked), 1.0)
             buffers = (self.running_mean, self.running_var)
             news = backend.running_update(xp, [kernels.wide(b) for b in buffers],
