@@ -23,9 +23,10 @@ TIMEOUT_S = 600
 # A rank whose assertion fails skips collectives its peers wait in: let Horovod's stall
 # inspector shut the job down quickly instead of hanging until TIMEOUT_S.
 STALL = dict(HOROVOD_STALL_CHECK_TIME_SECONDS="5", HOROVOD_STALL_SHUTDOWN_TIME_SECONDS="30")
-# In a rank-side suite, one rank once came 30 s late to a Keras fit's first broadcast (its
-# set-up before fit, which the other rank had done long before; not reproduced): a late
-# rank is not a failure of the suite, which waits up to 120 s before the shutdown.
+# In a rank-side suite, one rank once came 30 s late to a Keras fit's first broadcast, and
+# at times one rank traces a Keras step ~20 s slower than its peer, which waits (seen with
+# faulthandler; intermittent, cause not found): a late rank is not a failure of the suite,
+# which waits up to 120 s before the shutdown.
 SUITE_STALL = dict(HOROVOD_STALL_SHUTDOWN_TIME_SECONDS="120")
 
 
