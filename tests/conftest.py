@@ -37,6 +37,13 @@ def pytest_configure(config):
         config.addinivalue_line("markers", f"{name}: {what}")
 
 
+def pytest_collection_modifyitems(session, config, items):
+    """The in-process tier (``tests/unit``) runs first, in its own order: while the image
+    builds in the background, before the ``failures`` tests wait for the build to end."""
+    unit = Path(__file__).parent / "unit"
+    items.sort(key=lambda item: unit not in Path(item.fspath).parents)
+
+
 def pytest_collection_finish(session):
     """Starts the image build in the background when its tests are selected: the tests
     before them run meanwhile (``test_image.py`` says why)."""
