@@ -9,7 +9,7 @@
 #
 # What it makes (defaults: N=2 hosts, S=2 slots each, P=hvdnh, A.B.C=10.201.0), and
 # removes again on exit, on failure and on Ctrl-C / SIGTERM:
-# - a bridge Pbr with address A.B.C.1/24 in this (the root) namespace, where mpirun runs;
+# - a bridge Pbr with address A.B.C.1/24 in this (the root) namespace;
 # - per host i: a namespace Pi, joined to the bridge by a veth pair (Pv<i> here, eth0
 #   there) with address A.B.C.(10+i)/24, hostname P-host<i>, a default route to A.B.C.1
 #   and /etc/netns/Pi/hosts naming every host (`ip netns exec` puts it on /etc/hosts);
@@ -29,11 +29,13 @@
 #   their own; here the hosts' MPI and Horovod threads, which poll and sched_yield,
 #   stalled each other for seconds to minutes, until jobs timed out. In mpirun's
 #   session all ranks share the cores as one group, as in a one-host job.
-# The job runs through launch/mpirun.sh (so with its -x list and HOROVOD_CYCLE_TIME)
-# plus: -np N*S, the hostfile, the agent, --mca btl tcp,self,vader (TCP between hosts,
-# shared memory within one) and btl_tcp_if_include / oob_tcp_if_include A.B.C.0/24.
-# With --horovodrun it runs through launch/horovodrun.sh instead, on host 0 (as on a
-# cluster, where horovodrun runs on the first node: its driver address must be on an
+# The job runs on host 0, as on a cluster, where the launcher runs on the first node of
+# the job (a batch script's node) and starts that node's ranks itself: through
+# launch/mpirun.sh (so with its -x list and HOROVOD_CYCLE_TIME) plus: -np N*S, the
+# hostfile, the agent, --mca btl tcp,self,vader (TCP between hosts, shared memory within
+# one) and btl_tcp_if_include / oob_tcp_if_include A.B.C.0/24. (An mpirun with no ranks
+# of its own that loses every other host never ends: docs/failures.md.) With --horovodrun
+# it runs through launch/horovodrun.sh instead (its driver address must be on an
 # interface named as the hosts' one), with -np N*S -H P-host0:S,... --gloo
 # --network-interface eth0, and a fake ssh first on PATH that runs the command in the
 # host's namespace as the agent does; horovodrun's command carries the environment.
@@ -254,7 +256,8 @@ log "$hosts hosts x $slots slots: $(tr '\n' ' ' < "$hostfile")(namespaces ${pref
 # --- the job: in the background, so that a signal reaches the trap at once -----------
 if [ "$launcher" = mpirun ]; then
   net=$subnet.0/24
-  HVD_NETNS_HOSTS=$prefix bash "$ROOT/launch/mpirun.sh" -np $((hosts * slots)) --hostfile "$hostfile" \
+  HVD_NETNS_HOSTS=$prefix ip netns exec "${prefix}0" unshare --uts sh -c 'hostname "$0" && exec "$@"' "$prefix-host0" \
+    bash "$ROOT/launch/mpirun.sh" -np $((hosts * slots)) --hostfile "$hostfile" \
     --mca plm_rsh_agent "$agent" --mca plm_rsh_no_tree_spawn 1 \
     --mca btl tcp,self,vader --mca btl_tcp_if_include "$net" --mca oob_tcp_if_include "$net" \
     "${opts[@]}" -- "$@" &
