@@ -254,18 +254,18 @@ EOF
 log "$hosts hosts x $slots slots: $(tr '\n' ' ' < "$hostfile")(namespaces ${prefix}0..$((hosts - 1)), $net_desc)"
 
 # --- the job: in the background, so that a signal reaches the trap at once -----------
+# The launcher runs on host 0: in its namespace, with its hostname.
+on_host0=(ip netns exec "${prefix}0" unshare --uts sh -c 'hostname "$0" && exec "$@"' "$prefix-host0")
 if [ "$launcher" = mpirun ]; then
   net=$subnet.0/24
-  HVD_NETNS_HOSTS=$prefix ip netns exec "${prefix}0" unshare --uts sh -c 'hostname "$0" && exec "$@"' "$prefix-host0" \
-    bash "$ROOT/launch/mpirun.sh" -np $((hosts * slots)) --hostfile "$hostfile" \
+  HVD_NETNS_HOSTS=$prefix "${on_host0[@]}" bash "$ROOT/launch/mpirun.sh" -np $((hosts * slots)) --hostfile "$hostfile" \
     --mca plm_rsh_agent "$agent" --mca plm_rsh_no_tree_spawn 1 \
     --mca btl tcp,self,vader --mca btl_tcp_if_include "$net" --mca oob_tcp_if_include "$net" \
     "${opts[@]}" -- "$@" &
 else
   host_list=$prefix-host0:$slots
   for ((i = 1; i < hosts; i++)); do host_list+=",$prefix-host$i:$slots"; done
-  HVD_NETNS_HOSTS=$prefix PATH="$tmp/bin:$PATH" ip netns exec "${prefix}0" unshare --uts \
-    sh -c 'hostname "$0" && exec "$@"' "$prefix-host0" \
+  HVD_NETNS_HOSTS=$prefix PATH="$tmp/bin:$PATH" "${on_host0[@]}" \
     bash "$ROOT/launch/horovodrun.sh" -np $((hosts * slots)) -H "$host_list" --gloo --network-interface eth0 \
     "${opts[@]}" -- "$@" &
 fi

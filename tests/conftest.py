@@ -41,7 +41,7 @@ def pytest_collection_modifyitems(session, config, items):
     """The in-process tier (``tests/unit``) runs first, in its own order: while the image
     builds in the background, before the ``failures`` tests wait for the build to end."""
     unit = Path(__file__).parent / "unit"
-    items.sort(key=lambda item: unit not in Path(item.fspath).parents)
+    items.sort(key=lambda item: unit not in item.path.parents)
 
 
 def pytest_collection_finish(session):
