@@ -630,8 +630,9 @@ def test_device_path_mismatch_is_nan_then_an_error_naming_each_ranks_layer():
 def test_device_path_has_no_host_hop_in_a_traced_step():
     """A traced training step of a converted model: no PyFunc on the device path, one per
     layer and direction on the host path (which the count must see, or it counts nothing).
-    The device path's collectives are graph ops: the XLA allreduce where the layers'
-    transport is MPI (it needs no Horovod cycle), Horovod's allreduce otherwise."""
+    The device path's collectives are graph ops: outside XLA, the XLA allreduce library's
+    TensorFlow kernel where the layers' transport is MPI (it needs no Horovod cycle),
+    Horovod's allreduce otherwise."""
     def op_counts(stats):
         model = convert_sync_batchnorm(small_model(), stats=stats)
         x = tf.constant(global_batch(61, 2, (8, 8, 3)))
@@ -644,14 +645,14 @@ def test_device_path_has_no_host_hop_in_a_traced_step():
 
         graph = step.get_concrete_function(x).graph.as_graph_def()  # the step and the functions it calls
         kinds = [node.op for node in graph.node] + [node.op for f in graph.library.function for node in f.node_def]
-        counts = {kind: kinds.count(kind) for kind in ("PyFunc", "EagerPyFunc", "XlaCallModule", "HorovodAllreduce")}
+        counts = {kind: kinds.count(kind) for kind in ("PyFunc", "EagerPyFunc", "HvdSyncbnAllreduce", "HorovodAllreduce")}
         return counts, model.layers
 
     collectives = 4 if WORLD > 1 else 0  # 2 layers, forward and backward; none alone
     counts, layers = op_counts("device")
     mpi = collectives and isinstance(next(l for l in layers if hasattr(l, "_sync_reducer"))._sync_reducer.comm,
                                      MpiCommunicator)
-    assert counts == {"PyFunc": 0, "EagerPyFunc": 0, "XlaCallModule": collectives if mpi else 0,
+    assert counts == {"PyFunc": 0, "EagerPyFunc": 0, "HvdSyncbnAllreduce": collectives if mpi else 0,
                       "HorovodAllreduce": 0 if mpi else collectives}, counts
     counts, _ = op_counts("host")
     assert counts["PyFunc"] + counts["EagerPyFunc"] == collectives, counts

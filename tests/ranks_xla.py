@@ -84,12 +84,20 @@ def test_hlo_holds_two_custom_calls_in_order():
 
 
 def test_outside_xla_too():
-    """Eagerly and in a plain tf.function TensorFlow compiles the op on its own."""
-    rows = table(seed=30, n=4, exact=True)
-    x = tf.constant(rows[RANK])
+    """Eagerly and in a plain tf.function the library's TensorFlow kernel sums (no XLA
+    call), two calls of one graph in the order traced (the second fed the first's result)."""
+    rows, more = table(seed=30, n=4, exact=True), table(seed=31, n=6, exact=True)
+    x, y = tf.constant(rows[RANK]), tf.constant(more[RANK])
     np.testing.assert_array_equal(xla.allreduce(x, "test.xla.eager").numpy(), rows.sum(axis=0))
-    plain = tf.function(lambda t: xla.allreduce(t, "test.xla.graph"))
-    np.testing.assert_array_equal(plain(x).numpy(), rows.sum(axis=0))
+    plain = tf.function(lambda s, t: (xla.allreduce(s, "test.xla.graph"), xla.allreduce(t, "test.xla.then")))
+    graph = plain.get_concrete_function(x, y).graph
+    ops = [op for op in graph.get_operations() if op.type in ("HvdSyncbnAllreduce", "XlaCallModule")]
+    assert [op.type for op in ops] == ["HvdSyncbnAllreduce"] * 2, ops
+    order = ops[1].inputs[1].op  # the second's extra operand: a scalar of the first's result
+    assert len(ops[1].inputs) == 2 and order.inputs[0].name == ops[0].outputs[0].name, order
+    got_x, got_y = plain(x, y)
+    np.testing.assert_array_equal(got_x.numpy(), rows.sum(axis=0))
+    np.testing.assert_array_equal(got_y.numpy(), more.sum(axis=0))
 
 
 def test_over_a_sub_communicator():

@@ -101,11 +101,13 @@ def test_keras_bad_input_alone_raises_plain_value_error():
     assert "b: expected 4 channels on axis 1, got 3" in out.stdout, out.stdout + out.stderr[-2000:]
 
 
-def test_xla_allreduce_without_a_peer_fails_in_time_naming_it():
-    """Inside jit_compile=True rank 1 never joins: rank 0 raises within 2·T naming the
-    collective, and the job ends (rank 1 would sleep 600 s)."""
+@pytest.mark.parametrize("where", ["xla", "graph"])
+def test_xla_allreduce_without_a_peer_fails_in_time_naming_it(where):
+    """Rank 1 never joins, inside jit_compile=True (the custom call) or a plain
+    tf.function (the kernel): rank 0 raises within 2·T naming the collective, and the job
+    ends (rank 1 would sleep 600 s)."""
     seconds, start = 3.0, time.monotonic()
-    rc, logs, raw = launch(["tests/xla_missing_peer.py"], "mpirun", 2, seconds=seconds)
+    rc, logs, raw = launch(["tests/xla_missing_peer.py", where], "mpirun", 2, seconds=seconds)
     took = time.monotonic() - start
     assert rc != 0, raw[-3000:]
     found = RESULT.findall(logs.get(0, ""))

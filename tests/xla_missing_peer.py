@@ -1,8 +1,9 @@
-"""Rank side of ``test_failures.py``'s XLA case: rank 1 never joins a compiled allreduce.
+"""Rank side of ``test_failures.py``'s XLA case: rank 1 never joins the allreduce.
 
-    HVD_SYNCBN_TIMEOUT=3 mpirun -np 2 python tests/xla_missing_peer.py
+    HVD_SYNCBN_TIMEOUT=3 mpirun -np 2 python tests/xla_missing_peer.py [xla|graph]
 
-Both ranks compile and run the step once; then rank 1 sleeps while rank 0 runs it again.
+The step is ``jit_compile=True`` (``xla``, the default: the XLA custom call) or a plain
+``tf.function`` (``graph``: the library's TensorFlow kernel). Both ranks trace and run the step once; then rank 1 sleeps while rank 0 runs it again.
 Rank 0 prints ``RESULT rank=0 elapsed=S error=TYPE`` and the error's message (or
 ``RESULT rank=0 finished``) and exits 1; the pending collective cannot be cancelled, so
 :mod:`hvd_syncbn.tensorflow.xla` aborts MPI at exit, which ends rank 1 too.
@@ -24,7 +25,7 @@ from hvd_syncbn.tensorflow import xla  # noqa: E402
 
 NAME = "hvd_syncbn.test.missing_peer"
 rank = MPI.COMM_WORLD.Get_rank()
-step = tf.function(lambda x: xla.allreduce(x, NAME), jit_compile=True)
+step = tf.function(lambda x: xla.allreduce(x, NAME), jit_compile=sys.argv[1:2] != ["graph"])
 x = tf.constant(np.ones(4))
 step(x)  # both ranks: compiled, and one sum
 if rank == 1:

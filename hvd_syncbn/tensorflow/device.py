@@ -3,8 +3,8 @@ the collective is a graph op, the checks are deferred flags; no host hop in the 
 
 The buffers are summed by hvd_syncbn's XLA allreduce over MPI
 (:mod:`hvd_syncbn.tensorflow.xla`, CPU), whose wait ends at the timeout: inside XLA
-(``jit_compile=True``), and outside it where the layer's transport is MPI (TensorFlow
-compiles the op alone; no Horovod cycle to wait for). Otherwise (a GPU
+(``jit_compile=True``), and outside it where the layer's transport is MPI (the same
+library's TensorFlow kernel; no Horovod cycle to wait for). Otherwise (a GPU
 machine, horovodrun) by Horovod's allreduce, NCCL where Horovod has GPU support. Each carries a
 static identity header (:func:`hvd_syncbn.comm.static_header`): where the ranks summed
 different collectives the buffer comes back NaN, which the checks read as the mismatch

@@ -1,14 +1,16 @@
-// hvd_syncbn's XLA custom call on the host: sum a 1-D float64 buffer over an MPI
-// communicator, with a deadline. A typed XLA FFI handler (xla/ffi/api/ffi.h, header only).
-//
-// Python (hvd_syncbn/tensorflow/xla.py) loads this library with ctypes, hands
-// hvd_syncbn_xla_register() the FFI API table of the TensorFlow in the process, and emits
-// the call as a StableHLO custom_call (api_version = 4, typed FFI) with the attributes
-//   comm: i64      the MPI_Comm handle (mpi4py's MPI._handleof), owned by Python;
-//   timeout: f64   seconds to wait for the other ranks;
-//   name: string   the collective's name, for the error message.
+// hvd_syncbn's allreduce on the host: sum a 1-D float64 buffer over an MPI communicator,
+// with a deadline. One loop (SumOverMpi), two ways in:
+// - inside XLA, a typed XLA FFI handler (xla/ffi/api/ffi.h, header only), emitted as a
+//   StableHLO custom_call (api_version = 4, typed FFI) with the attributes
+//     comm: i64      the MPI_Comm handle (mpi4py's MPI._handleof), owned by Python;
+//     timeout: f64   seconds to wait for the other ranks;
+//     name: string   the collective's name, for the error message;
+//   registered by hvd_syncbn_xla_register(), which Python (hvd_syncbn/tensorflow/xla.py)
+//   hands the FFI API table of the TensorFlow in the process;
+// - outside XLA, the TensorFlow op HvdSyncbnAllreduce (CPU kernel, same attributes), loaded
+//   by tf.load_op_library: a plain kernel, where the XLA call compiled alone costs ~50 us.
 // Operands: the buffer, then any number of ordering operands (ignored: they only make the
-// calls of one computation run in the order they were traced). Result: the sum.
+// calls of one graph run in the order they were traced). Result: the sum.
 // It only sums: identity headers and checks are the caller's.
 
 // The C API only: no C++ bindings (Open MPI and MPICH would pull in libmpi_cxx).
@@ -24,6 +26,9 @@
 #include <string_view>
 #include <thread>
 
+#include "tensorflow/core/framework/op.h"
+#include "tensorflow/core/framework/op_kernel.h"
+#include "tensorflow/core/framework/shape_inference.h"
 #include "xla/ffi/api/c_api.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -45,26 +50,24 @@ std::string MpiError(std::string_view name, std::string_view what, int code) {
   return std::string(name) + ": " + std::string(what) + " failed: " + std::string(text, length);
 }
 
-ffi::Error Allreduce(ffi::Buffer<ffi::F64> in, ffi::RemainingArgs /*order*/,
-                     ffi::ResultBuffer<ffi::F64> out, int64_t comm_handle, double timeout,
-                     std::string_view name) {
-  const MPI_Comm comm = CommFromHandle(comm_handle);
-  const size_t count = in.element_count();
-  if (out->element_count() != count) {
-    return ffi::Error::InvalidArgument(std::string(name) + ": the result has " +
-                                       std::to_string(out->element_count()) +
-                                       " values, expected " + std::to_string(count));
-  }
+enum class Failure { kNone, kInvalid, kMpi, kDeadline };
+
+// Sums `count` values of `in` into `out` over `comm`, waiting at most `timeout` seconds;
+// on failure, the message in `error`.
+Failure SumOverMpi(const double* in, double* out, size_t count, MPI_Comm comm, double timeout,
+                   std::string_view name, std::string* error) {
   if (count > static_cast<size_t>(INT32_MAX)) {
-    return ffi::Error::InvalidArgument(std::string(name) + ": expected at most 2^31-1 values, got " +
-                                       std::to_string(count));
+    *error = std::string(name) + ": expected at most 2^31-1 values, got " + std::to_string(count);
+    return Failure::kInvalid;
   }
-  if (count == 0) return ffi::Error::Success();
+  if (count == 0) return Failure::kNone;
 
   MPI_Request request;
-  int rc = MPI_Iallreduce(in.typed_data(), out->typed_data(), static_cast<int>(count), MPI_DOUBLE,
-                          MPI_SUM, comm, &request);
-  if (rc != MPI_SUCCESS) return ffi::Error::Internal(MpiError(name, "MPI_Iallreduce", rc));
+  int rc = MPI_Iallreduce(in, out, static_cast<int>(count), MPI_DOUBLE, MPI_SUM, comm, &request);
+  if (rc != MPI_SUCCESS) {
+    *error = MpiError(name, "MPI_Iallreduce", rc);
+    return Failure::kMpi;
+  }
 
   // MPI progresses only inside its calls: spin on MPI_Test for a while, then poll every
   // 50 us (as the host path, hvd_syncbn.comm) until the deadline.
@@ -74,21 +77,93 @@ ffi::Error Allreduce(ffi::Buffer<ffi::F64> in, ffi::RemainingArgs /*order*/,
   for (int polls = 0;; ++polls) {
     int done = 0;
     rc = MPI_Test(&request, &done, MPI_STATUS_IGNORE);
-    if (rc != MPI_SUCCESS) return ffi::Error::Internal(MpiError(name, "MPI_Test", rc));
-    if (done) return ffi::Error::Success();
+    if (rc != MPI_SUCCESS) {
+      *error = MpiError(name, "MPI_Test", rc);
+      return Failure::kMpi;
+    }
+    if (done) return Failure::kNone;
     if (clock::now() >= deadline) break;
     if (polls >= 2000) std::this_thread::sleep_for(std::chrono::microseconds(50));
   }
   stuck.fetch_add(1);
   char seconds[32];
   std::snprintf(seconds, sizeof seconds, "%g", timeout);
-  return ffi::Error(ffi::ErrorCode::kDeadlineExceeded,
-                    std::string(name) + ": the other ranks did not join within " + seconds +
-                        " s (hvd_syncbn XLA allreduce of " + std::to_string(count) +
-                        " float64 values; HVD_SYNCBN_TIMEOUT sets the wait)");
+  *error = std::string(name) + ": the other ranks did not join within " + seconds +
+           " s (hvd_syncbn allreduce of " + std::to_string(count) +
+           " float64 values; HVD_SYNCBN_TIMEOUT sets the wait)";
+  return Failure::kDeadline;
 }
 
+ffi::Error Allreduce(ffi::Buffer<ffi::F64> in, ffi::RemainingArgs /*order*/,
+                     ffi::ResultBuffer<ffi::F64> out, int64_t comm_handle, double timeout,
+                     std::string_view name) {
+  const size_t count = in.element_count();
+  if (out->element_count() != count) {
+    return ffi::Error::InvalidArgument(std::string(name) + ": the result has " +
+                                       std::to_string(out->element_count()) +
+                                       " values, expected " + std::to_string(count));
+  }
+  std::string error;
+  switch (SumOverMpi(in.typed_data(), out->typed_data(), count, CommFromHandle(comm_handle), timeout,
+                     name, &error)) {
+    case Failure::kNone: return ffi::Error::Success();
+    case Failure::kInvalid: return ffi::Error::InvalidArgument(error);
+    case Failure::kMpi: return ffi::Error::Internal(error);
+    case Failure::kDeadline: return ffi::Error(ffi::ErrorCode::kDeadlineExceeded, error);
+  }
+  return ffi::Error::Internal(error);
+}
+
+// The same sum as a TensorFlow kernel, for graphs and eager code outside XLA.
+class AllreduceKernel : public tensorflow::OpKernel {
+ public:
+  explicit AllreduceKernel(tensorflow::OpKernelConstruction* context) : OpKernel(context) {
+    OP_REQUIRES_OK(context, context->GetAttr("comm", &comm_));
+    OP_REQUIRES_OK(context, context->GetAttr("timeout", &timeout_));
+    OP_REQUIRES_OK(context, context->GetAttr("label", &label_));
+  }
+
+  // Run inline by the executor thread that readied it, not handed to another: a thread hop
+  // costs more than the sum of a small buffer.
+  bool IsExpensive() override { return false; }
+
+  void Compute(tensorflow::OpKernelContext* context) override {
+    const tensorflow::Tensor& in = context->input(0);
+    tensorflow::Tensor* out = nullptr;
+    OP_REQUIRES_OK(context, context->allocate_output(0, in.shape(), &out));
+    std::string error;
+    switch (SumOverMpi(in.flat<double>().data(), out->flat<double>().data(), in.NumElements(),
+                       CommFromHandle(comm_), timeout_, label_, &error)) {
+      case Failure::kNone: return;
+      case Failure::kInvalid: return context->SetStatus(absl::InvalidArgumentError(error));
+      case Failure::kMpi: return context->SetStatus(absl::InternalError(error));
+      case Failure::kDeadline: return context->SetStatus(absl::DeadlineExceededError(error));
+    }
+  }
+
+ private:
+  int64_t comm_ = 0;
+  float timeout_ = 0;
+  std::string label_;
+};
+
 }  // namespace
+
+// Stateful: two sums of equal buffers are two collectives, never one (no CSE or folding).
+REGISTER_OP("HvdSyncbnAllreduce")
+    .Input("buf: double")
+    .Input("order: N * double")
+    .Output("sum: double")
+    .Attr("N: int >= 0")
+    .Attr("comm: int")
+    .Attr("timeout: float")
+    .Attr("label: string")
+    .SetIsStateful()
+    .SetShapeFn([](tensorflow::shape_inference::InferenceContext* c) {
+      c->set_output(0, c->input(0));
+      return absl::OkStatus();
+    });
+REGISTER_KERNEL_BUILDER(Name("HvdSyncbnAllreduce").Device(tensorflow::DEVICE_CPU), AllreduceKernel);
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(hvd_syncbn_xla_allreduce, Allreduce,
                               ffi::Ffi::Bind()

@@ -72,7 +72,7 @@ def build(force: bool = False) -> Path:
     """Compile the library into :func:`library_path` unless it is there; return its path.
 
     Needs a C++17 compiler (``$CXX``, else ``g++``), TensorFlow's headers and an MPI's
-    (``mpicc``). TensorFlow is only compiled against, not linked: the library receives
+    (``mpicc``). It links TensorFlow's framework library (for its op kernel) and receives
     the XLA FFI API table at load time (:func:`hvd_syncbn.tensorflow.xla.load`).
     Raises ``RuntimeError`` with the compiler's output when the build fails.
     """
@@ -81,13 +81,13 @@ def build(force: bool = False) -> Path:
         return target
     import tensorflow as tf
 
-    # TensorFlow's compile flags: its include folder, C++17 and its libstdc++ ABI.
+    # TensorFlow's compile flags (its include folder, C++17, its libstdc++ ABI) and link flags.
     mpi_compile, mpi_link = mpi_flags()
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:  # then renamed: never half a library
         out = Path(tmp) / LIBRARY
         cmd = [os.environ.get("CXX", "g++"), "-shared", "-fPIC", "-O2", *tf.sysconfig.get_compile_flags(),
-               *mpi_compile, str(SOURCE), "-o", str(out), *mpi_link]
+               *mpi_compile, str(SOURCE), "-o", str(out), *mpi_link, *tf.sysconfig.get_link_flags()]
         done = subprocess.run(cmd, capture_output=True, text=True)
         if done.returncode != 0:
             raise RuntimeError(f"building the XLA allreduce failed:\n{shlex.join(cmd)}\n{done.stderr[-4000:]}")
