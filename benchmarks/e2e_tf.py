@@ -80,8 +80,13 @@ def main() -> None:
     import tensorflow as tf
 
     tf.config.threading.set_intra_op_parallelism_threads(1)
-    # 2 inter-op threads, as bench_tf.py: the host path's numpy_function waits on Horovod.
-    tf.config.threading.set_inter_op_parallelism_threads(int(os.environ.get("BENCH_TF_INTER_OP", "2")))
+    # 1 inter-op thread: a rank per core, as a rank per GPU. With 2 per rank (2 ranks on 2
+    # cores, BENCH_TF_INTER_OP=2) the OS time-slices 4 threads and each rank runs its
+    # ready ops in another order, so every per-layer collective waits on the slower rank:
+    # MobileNetV2's device path 2.1x local BN, against 1.4-1.6x with 1 (docs/performance.md).
+    # Under mpirun the host path sums over MPI (bench_tf.py's Horovod transport needs 2:
+    # its numpy_function runs Horovod's own op).
+    tf.config.threading.set_inter_op_parallelism_threads(int(os.environ.get("BENCH_TF_INTER_OP", "1")))
     import horovod.tensorflow as hvd
     import keras
 
