@@ -48,15 +48,16 @@ class GraphReducer:
     """Sums a float64 buffer over the ranks of ``comm``'s group by a graph op
     (:func:`hvd_syncbn.tensorflow.xla.allreduce` over MPI inside XLA and where ``comm`` is
     MPI on the CPU, else Horovod's allreduce), behind
-    a static header; a header that does not sum up makes the buffer NaN and sets the
-    mismatch flag in ``errors`` (the layer's ``_sync_errors``), in either direction.
+    a static header; a header that does not sum up makes the buffer NaN. The forward's
+    NaN is recorded by the layer's checks (:meth:`DeferredChecks.after`); the backward
+    sets the mismatch flag in ``errors`` (the layer's ``_sync_errors``) itself.
 
     A rank whose shard is statically empty has a constant buffer, and Grappler folds
     constants through Horovod's op (it is not stateful): the collective would run while
-    the graph is optimized, not in the step. The header therefore takes a read of
-    ``errors`` (times zero), which no optimizer folds; and recording the flag keeps the
-    backward collective, whose result such a rank otherwise only needs for an empty
-    input gradient, in the step."""
+    the graph is optimized, not in the step. On that path the header therefore takes a
+    read of ``errors`` (times zero), which no optimizer folds (hvd_syncbn's allreduce is
+    stateful and needs none); and recording the backward's flag keeps its collective,
+    whose result such a rank otherwise only needs for an empty input gradient, in the step."""
 
     def __init__(self, comm: Communicator, process_set: Any, layer: str, channels: int, ndim: int, dtype: str,
                  errors: tf.Variable) -> None:
@@ -66,21 +67,29 @@ class GraphReducer:
     def __call__(self, buf: tf.Tensor, direction: str) -> tf.Tensor:
         layer, size = self.identity[0], self.comm.size
         head = static_header(layer, direction, *self.identity[1:], size)
-        unfoldable = tf.cast(self.errors[0], tf.float64) * 0.0
-        full = tf.concat([tf.constant(head, tf.float64) + unfoldable, tf.cast(buf, tf.float64)], 0)
-        out = self._sum(full, f"hvd_syncbn.{layer}.{direction}")
-        mixed = tf.logical_or(out[0] != size * head[0], out[1] != size * head[1])
+        start = tf.constant(head, tf.float64)
+        if not self._ours():
+            start += tf.cast(self.errors[0], tf.float64) * 0.0  # unfoldable (see the class)
+        out = self._sum(tf.concat([start, tf.cast(buf, tf.float64)], 0), f"hvd_syncbn.{layer}.{direction}")
+        mixed = tf.reduce_any(tf.not_equal(out[:HEADER], tf.constant(head, tf.float64) * size))
+        summed = tf.where(mixed, tf.constant(float("nan"), tf.float64), out[HEADER:])
+        if direction == "fwd":
+            return summed
         flag = tf.cast(tf.stack([mixed] + [False] * (len(FLAGS) - 1)), self.errors.dtype)
         with tf.control_dependencies([self.errors.assign(tf.maximum(self.errors, flag))]):
-            return tf.where(mixed, tf.constant(float("nan"), tf.float64), out[HEADER:])
+            return tf.identity(summed)
 
     def met(self) -> Tuple[Communicator, Call]:
         """This layer's collective as the diagnosis describes it (traced once: no step, either direction)."""
         return self.comm, Call(self.identity[0], "", -1, *self.identity[1:], self.comm.rank)
 
+    def _ours(self) -> bool:
+        """Whether hvd_syncbn's allreduce sums (inside XLA, or ``comm`` MPI where it is built)."""
+        return xla.in_xla() or (isinstance(self.comm, MpiCommunicator) and xla.available() is None)
+
     def _sum(self, full: tf.Tensor, name: str) -> tf.Tensor:
         layer = self.identity[0]
-        if xla.in_xla() or (isinstance(self.comm, MpiCommunicator) and xla.available() is None):
+        if self._ours():
             return xla.allreduce(full, name, comm=self._mpi(layer), timeout=get_timeout())
         hvd = transports.horovod(f"{layer}: the device path (stats='device') outside XLA")
         if not hvd.is_initialized():
