@@ -3,7 +3,7 @@
 The library is cached outside the package, where ``launch/install.sh`` keeps the Horovod
 wheel: ``$HVD_SYNCBN_CACHE``, else ``${XDG_CACHE_HOME:-~/.cache}/hvd_syncbn``, in a folder
 named by the TensorFlow version and the source's hash, so a new TensorFlow or a changed
-source builds anew. Build it with ``python -m hvd_syncbn.tensorflow.xla_build`` (about 3 s).
+source builds anew. Build it with ``python -m hvd_syncbn.tensorflow.xla_build`` (about 10 s).
 """
 
 from __future__ import annotations
