@@ -3,7 +3,8 @@
     HVD_SYNCBN_TIMEOUT=3 mpirun -np 2 python tests/xla_missing_peer.py [xla|graph]
 
 The step is ``jit_compile=True`` (``xla``, the default: the XLA custom call) or a plain
-``tf.function`` (``graph``: the library's TensorFlow kernel). Both ranks trace and run the step once; then rank 1 sleeps while rank 0 runs it again.
+``tf.function`` (``graph``: the library's TensorFlow kernel). Both ranks trace and run the
+step once; then rank 1 sleeps while rank 0 runs it again.
 Rank 0 prints ``RESULT rank=0 elapsed=S error=TYPE`` and the error's message (or
 ``RESULT rank=0 finished``) and exits 1; the pending collective cannot be cancelled, so
 :mod:`hvd_syncbn.tensorflow.xla` aborts MPI at exit, which ends rank 1 too.
