@@ -209,6 +209,8 @@ def test_sigterm_stops_job_and_cleans_up():
 # ----------------------------------------- a host cut off by the network mid-training
 
 DEMO = ROOT / "examples" / "torch_segmentation.py"
+STACKS = ROOT / "tests" / "sigterm_stacks"  # its sitecustomize prints the stacks on SIGTERM
+IN_HOROVOD = re.compile(r'horovod/torch/mpi_ops\.py", line \d+ in synchronize')  # a frame of those stacks
 DEMO_ARGS = ["--train-size", "48", "--val-size", "6", "--image-size", "16", "--width", "4", "--epochs", "2"]
 CUT_T = 5.0  # HVD_SYNCBN_TIMEOUT of the job that loses a host
 LOST_AFTER = 5 + 6 * math.ceil(CUT_T / 3)  # launch/mpirun.sh's keepalive: mpirun notices a lost host by then
@@ -226,12 +228,15 @@ def set_link(host: int, up: bool) -> None:
     subprocess.run(["chrt", "-f", "50", "ip", "link", "set", f"{PREFIX}v{host}", "up" if up else "down"], check=True)
 
 
-def demo_job(ckpt_dir: Path, out_dir: Path, *args, seconds: float, hosts: int = 3, netns_opts=()) -> subprocess.Popen:
+def demo_job(ckpt_dir: Path, out_dir: Path, *args, seconds: float, hosts: int = 3, netns_opts=(),
+             stacks: bool = False) -> subprocess.Popen:
     """The PyTorch demo on ``hosts`` hosts x 1 rank, each gradient reduced alone (bitwise
     repeatable), with this checkout's hvd_syncbn (PYTHONPATH), whichever one .venv has
-    installed; under mpirun, or as ``netns_opts`` say (``--horovodrun``, ``--relay``)."""
+    installed; under mpirun, or as ``netns_opts`` say (``--horovodrun``, ``--relay``).
+    ``stacks``: a rank that mpirun ends prints its threads' Python stacks (``STACKS``)."""
+    path = f"{ROOT}:{STACKS}" if stacks else str(ROOT)
     env = {**clean_env(), "GLOO_SOCKET_IFNAME": "eth0", "HOROVOD_FUSION_THRESHOLD": "0",
-           "HVD_SYNCBN_TIMEOUT": str(seconds), "PYTHONPATH": str(ROOT)}
+           "HVD_SYNCBN_TIMEOUT": str(seconds), "PYTHONPATH": path}
     exports = () if "--horovodrun" in netns_opts else ("-x", "PYTHONPATH")
     cmd = hosts_command(DEMO, *DEMO_ARGS, "--checkpoint-dir", ckpt_dir, *args, hosts=hosts, slots=1,
                         netns_opts=netns_opts, mpirun_opts=(*exports, "--output-filename", out_dir))
@@ -261,7 +266,9 @@ def wait_for(path: Path, job: subprocess.Popen, log: str = "") -> None:
 @pytest.mark.failures
 def test_a_host_cut_off_mid_training_ends_the_job_in_time_and_resume_matches(tmp_path):
     """Rank 2's host loses the network after epoch 1 of 2 (its link taken down): ranks 0
-    and 1 each raise naming rank 2 within 2 x HVD_SYNCBN_TIMEOUT, mpirun (on host 0, with
+    and 1 each raise naming rank 2 within 2 x HVD_SYNCBN_TIMEOUT (unless its stack at
+    mpirun's SIGTERM shows it waiting in Horovod's own collective, which has no deadline:
+    stop 43's CI met that once, neither rank raising), mpirun (on host 0, with
     rank 0) ends the job within its keepalive (launch/mpirun.sh) and its kill sequence,
     the epoch-1 checkpoint loads, and --resume ends bitwise where a job does whose network
     only dropped for 1.5 s (under a 10 s timeout: it must go on as if nothing happened)."""
@@ -278,7 +285,7 @@ def test_a_host_cut_off_mid_training_ends_the_job_in_time_and_resume_matches(tmp
     assert torch.load(whole_ckpt)["epoch"] == 2
 
     ckpt, out_dir = tmp_path / "cut" / "segmentation_sync.pt", tmp_path / "cut_out"
-    job = demo_job(ckpt.parent, out_dir, seconds=CUT_T)
+    job = demo_job(ckpt.parent, out_dir, seconds=CUT_T, stacks=True)
     wait_for(ckpt, job)
     set_link(2, up=False)
     cut, errors = time.monotonic(), {}
@@ -295,6 +302,11 @@ def test_a_host_cut_off_mid_training_ends_the_job_in_time_and_resume_matches(tmp
     assert "ORTE has lost communication with a remote daemon" in log, log[-4000:]
     for rank in (0, 1):
         text = rank_text(out_dir, rank)
+        if rank not in errors and IN_HOROVOD.search(text):
+            # Waiting in Horovod's own collective (the gradient allreduce) at the cut, which
+            # has no deadline (docs/failures.md): mpirun's keepalive ended it, asserted above.
+            print(f"rank {rank} was in Horovod's collective at the cut (its stack at SIGTERM)")
+            continue
         assert rank in errors and errors[rank] <= 2 * CUT_T, \
             f"rank {rank}: error after {errors.get(rank)} s:\n{text[-3000:]}"
         assert "missing there: ranks [2]" in text and "rank 2 did not answer" in text, text[-3000:]
