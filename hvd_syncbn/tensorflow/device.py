@@ -67,11 +67,12 @@ class GraphReducer:
     def __call__(self, buf: tf.Tensor, direction: str) -> tf.Tensor:
         layer, size = self.identity[0], self.comm.size
         head = static_header(layer, direction, *self.identity[1:], size)
+        ours = self._ours()
         start = tf.constant(head, tf.float64)
-        if not self._ours():
+        if not ours:
             start += tf.cast(self.errors[0], tf.float64) * 0.0  # unfoldable (see the class)
-        out = self._sum(tf.concat([start, tf.cast(buf, tf.float64)], 0), f"hvd_syncbn.{layer}.{direction}")
-        mixed = tf.reduce_any(tf.not_equal(out[:HEADER], tf.constant(head, tf.float64) * size))
+        out = self._sum(tf.concat([start, tf.cast(buf, tf.float64)], 0), f"hvd_syncbn.{layer}.{direction}", ours)
+        mixed = tf.reduce_any(tf.not_equal(out[:HEADER], tf.constant([size * h for h in head], tf.float64)))
         summed = tf.where(mixed, tf.constant(float("nan"), tf.float64), out[HEADER:])
         if direction == "fwd":
             return summed
@@ -87,9 +88,9 @@ class GraphReducer:
         """Whether hvd_syncbn's allreduce sums (inside XLA, or ``comm`` MPI where it is built)."""
         return xla.in_xla() or (isinstance(self.comm, MpiCommunicator) and xla.available() is None)
 
-    def _sum(self, full: tf.Tensor, name: str) -> tf.Tensor:
+    def _sum(self, full: tf.Tensor, name: str, ours: bool) -> tf.Tensor:
         layer = self.identity[0]
-        if self._ours():
+        if ours:
             return xla.allreduce(full, name, comm=self._mpi(layer), timeout=get_timeout())
         hvd = transports.horovod(f"{layer}: the device path (stats='device') outside XLA")
         if not hvd.is_initialized():
