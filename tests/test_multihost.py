@@ -211,6 +211,7 @@ def test_sigterm_stops_job_and_cleans_up():
 DEMO = ROOT / "examples" / "torch_segmentation.py"
 STACKS = ROOT / "tests" / "sigterm_stacks"  # its sitecustomize prints the stacks on SIGTERM
 IN_HOROVOD = re.compile(r'horovod/torch/mpi_ops\.py", line \d+ in synchronize')  # a frame of those stacks
+GLOO_TIMED_OUT = re.compile(r'mpi_ops\.py", line \d+, in synchronize.*HorovodInternalError', re.S)  # Horovod's own
 DEMO_ARGS = ["--train-size", "48", "--val-size", "6", "--image-size", "16", "--width", "4", "--epochs", "2"]
 CUT_T = 5.0  # HVD_SYNCBN_TIMEOUT of the job that loses a host
 LOST_AFTER = 5 + 6 * math.ceil(CUT_T / 3)  # launch/mpirun.sh's keepalive: mpirun notices a lost host by then
@@ -237,7 +238,10 @@ def demo_job(ckpt_dir: Path, out_dir: Path, *args, seconds: float, hosts: int = 
     path = f"{ROOT}:{STACKS}" if stacks else str(ROOT)
     env = {**clean_env(), "GLOO_SOCKET_IFNAME": "eth0", "HOROVOD_FUSION_THRESHOLD": "0",
            "HVD_SYNCBN_TIMEOUT": str(seconds), "PYTHONPATH": path}
-    exports = () if "--horovodrun" in netns_opts else ("-x", "PYTHONPATH")
+    exports = ("-x", "PYTHONPATH")
+    if "--horovodrun" in netns_opts:  # horovodrun hands the ranks all its environment
+        # Horovod's own collectives end after 2T too (docs/failures.md), after SyncBN's 1.5T.
+        exports, env["HOROVOD_GLOO_TIMEOUT_SECONDS"] = (), f"{2 * seconds:g}"
     cmd = hosts_command(DEMO, *DEMO_ARGS, "--checkpoint-dir", ckpt_dir, *args, hosts=hosts, slots=1,
                         netns_opts=netns_opts, mpirun_opts=(*exports, "--output-filename", out_dir))
     return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -394,7 +398,9 @@ HVD_ENDED = 2 * HVD_T + 5  # the bound on horovodrun's end, after the cut (docs/
 @pytest.mark.failures
 def test_a_host_cut_off_under_horovodrun_ends_the_job_in_time_and_resume_matches(tmp_path, clean_run):
     """Under horovodrun (Gloo) on 2 hosts, host 1 loses the network after epoch 1 of 2:
-    rank 0 raises naming rank 1 within 2 x HVD_SYNCBN_TIMEOUT, horovodrun ends within 2T
+    rank 0 raises naming rank 1 within 2 x HVD_SYNCBN_TIMEOUT (or, waiting in Horovod's
+    own collective at the cut, raises Horovod's error once Gloo's timeout, set to 2T, has
+    passed: stop 43's CI met that, with Gloo's default 30 s), horovodrun ends within 2T
     + 5 s, the epoch-1 checkpoint loads, and --resume ends bitwise where the clean job
     did. netns_hosts.sh's fake ssh lets horovodrun's SIGTERM reach rank 1 beyond the cut,
     which real ssh would not (docs/failures.md)."""
@@ -416,8 +422,11 @@ def test_a_host_cut_off_under_horovodrun_ends_the_job_in_time_and_resume_matches
     assert not leftovers(), f"{NETNS.name} left behind {leftovers()}:\n{log[-3000:]}"
     assert job.returncode != 0 and ended <= HVD_ENDED, f"the job ended {ended:.1f} s after the cut:\n{log[-4000:]}"
     text = rank_text(out_dir, 0)
-    assert error is not None and error <= 2 * HVD_T, f"rank 0: error after {error} s:\n{text[-3000:]}"
-    assert "missing there: ranks [1]" in text and "rank 1 did not answer" in text, text[-3000:]
+    if error is None and f"Timed out waiting {2 * HVD_T * 1000:g}ms" in text and GLOO_TIMED_OUT.search(text):
+        print("rank 0 was in Horovod's collective at the cut: Gloo's timeout ended it")
+    else:
+        assert error is not None and error <= 2 * HVD_T, f"rank 0: error after {error} s:\n{text[-3000:]}"
+        assert "missing there: ranks [1]" in text and "rank 1 did not answer" in text, text[-3000:]
     assert torch.load(ckpt)["epoch"] == 1, "the cut came too late: epoch 2 had finished"
 
     job = demo_job(ckpt.parent, tmp_path / "resumed_out", *TWO_HOSTS, "--resume", seconds=60, hosts=2,
