@@ -121,3 +121,18 @@ def test_rejects_what_it_cannot_sum():
         xla.allreduce(tf.zeros([3], tf.float32), "test.xla.bad")
     with pytest.raises(ValueError, match=r"got float64 of shape \(2, 2\)"):
         xla.allreduce(tf.zeros([2, 2], tf.float64), "test.xla.bad")
+
+
+@pytest.mark.parametrize("jit", [True, False], ids=["xla", "graph"])
+def test_checked_sum_with_the_header_the_ranks_agree_on(jit):
+    """``checked_allreduce`` sums the header in the same collective: the same header on
+    every rank gives the sum and no mismatch; rank 0 with another (at 2+ ranks) gives NaN
+    and the mismatch on every rank."""
+    rows = table(seed=50, n=5, exact=True)
+    step = tf.function(lambda x, header: xla.checked_allreduce(x, "test.xla.checked", header), jit_compile=jit)
+    got, mismatch = step(tf.constant(rows[RANK]), header=(3, 9))
+    np.testing.assert_array_equal(got.numpy(), rows.sum(axis=0))
+    assert not mismatch.numpy()
+    if WORLD > 1:
+        got, mismatch = step(tf.constant(rows[RANK]), header=(4, 16) if RANK == 0 else (3, 9))
+        assert mismatch.numpy() and np.isnan(got.numpy()).all(), got

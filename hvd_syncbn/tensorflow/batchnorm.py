@@ -143,7 +143,7 @@ class SyncBatchNormalization(keras.layers.BatchNormalization):
         # Checked in call() instead, so that a bad input on one rank fails every rank.
         self.input_spec = None
         with tf.init_scope():  # the device path's deferred flags (hvd_syncbn.deferred.FLAGS); not a weight
-            self._sync_errors = tf.Variable(tf.zeros([3], tf.int32), trainable=False, name="sync_errors")
+            self._sync_errors = tf.Variable(tf.zeros([3]), trainable=False, name="sync_errors")  # counts
         self._ndim, self._channels = ndim, {a: input_shape[a] for a in channel_axes}
         self._channel_axes = channel_axes
 
@@ -193,11 +193,13 @@ class SyncBatchNormalization(keras.layers.BatchNormalization):
                 [x], gamma, beta, axes, self.epsilon, self.name, reduce, checks, mask, self.check_finite,
                 self._renorm_correction if self.renorm else None,
             )
-            updated = total[0] > 0
-            if isinstance(checks, DeferredChecks):  # a flagged step leaves the moving statistics alone
-                errors = checks.stacked()
-                self._sync_errors.assign(tf.maximum(self._sync_errors, tf.cast(errors, tf.int32)))
-                updated = tf.logical_and(updated, tf.logical_not(tf.reduce_any(errors)))
+            # More than one row: neither an empty nor a single-row (flagged) global batch, nor
+            # the NaN count of a mismatch (flagged); no update on a flagged step.
+            updated = total[0] > 1
+            if isinstance(checks, DeferredChecks):
+                checks.record(self._sync_errors)
+                if self.check_finite:
+                    updated = tf.logical_and(updated, tf.logical_not(checks.flags["non_finite"]))
             # Renorm's updates wait for the output: in a tf.function, its reads of renorm_mean
             # and renorm_stddev (inside the custom gradient) are not otherwise ordered first.
             with tf.control_dependencies([y] if self.renorm else []):
@@ -251,8 +253,8 @@ class SyncBatchNormalization(keras.layers.BatchNormalization):
         else:
             updates.append((self.moving_variance, var, self.momentum))
         for moving, new, momentum in updates:
-            new = tf.cast(tf.reshape(new, moving.shape), moving.dtype)
-            moving.assign(backend.running_update(_ops, [moving], [new], tf.cast(momentum, moving.dtype), some)[0])
+            new = tf.cast(new if new.shape == moving.shape else tf.reshape(new, moving.shape), moving.dtype)
+            moving.assign(backend.running_update(_ops, [moving], [new], float(momentum), some)[0])
         if self.renorm:  # Keras derives the variance from the standard deviation
             derived = tf.nn.relu(tf.square(self.moving_stddev) - self.epsilon)
             self.moving_variance.assign(backend.running_update(_ops, [self.moving_variance], [derived], 0.0, some)[0])

@@ -26,8 +26,8 @@ from hvd_syncbn.transports import MpiCommunicator
 
 
 class DeferredChecks:
-    """:class:`hvd_syncbn.backend.Checks` that record flags as boolean tensors; a NaN
-    global count marks a mismatched collective (:class:`GraphReducer`)."""
+    """:class:`hvd_syncbn.backend.Checks` that keep flags as boolean tensors for
+    :meth:`record`; a NaN global count marks a mismatched collective (:class:`GraphReducer`)."""
 
     def __init__(self) -> None:
         self.flags: dict = {}
@@ -39,16 +39,25 @@ class DeferredChecks:
         self.flags["mismatch"] = tf.math.is_nan(values[0][0])
         return values
 
-    def stacked(self) -> tf.Tensor:
-        """The flags in the order of :data:`~hvd_syncbn.deferred.FLAGS` (false where a check did not run)."""
-        return tf.stack([tf.reshape(self.flags.get(name, False), []) for name in FLAGS])
+    def record(self, errors: tf.Variable) -> None:
+        """Count this step's flags into ``errors`` (a layer's ``_sync_errors``, in the order
+        of :data:`~hvd_syncbn.deferred.FLAGS`; a check that did not run adds 0)."""
+        errors.assign_add(_counts(self.flags))
+
+
+def _counts(flags: dict) -> tf.Tensor:
+    """Boolean scalar ``flags`` by name as a float32 vector in the order of
+    :data:`~hvd_syncbn.deferred.FLAGS` (0 where absent): float32, as a variable on a GPU
+    takes it (TF has no GPU kernel that adds to an int32 one)."""
+    return tf.cast(tf.stack([flags.get(name, False) for name in FLAGS]), tf.float32)
 
 
 class GraphReducer:
-    """Sums a float64 buffer over the ranks of ``comm``'s group by a graph op
-    (:func:`hvd_syncbn.tensorflow.xla.allreduce` over MPI inside XLA and where ``comm`` is
-    MPI on the CPU, else Horovod's allreduce), behind
-    a static header; a header that does not sum up makes the buffer NaN. The forward's
+    """Sums a float64 buffer over the ranks of ``comm``'s group by a graph op behind a
+    static header; a header that does not sum up makes the buffer NaN. Inside XLA, and
+    where ``comm`` is MPI on the CPU, :func:`hvd_syncbn.tensorflow.xla.checked_allreduce`
+    sums and checks the header itself; else Horovod's allreduce sums and the graph checks
+    the header. The forward's
     NaN is recorded by the layer's checks (:meth:`DeferredChecks.after`); the backward
     sets the mismatch flag in ``errors`` (the layer's ``_sync_errors``) itself.
 
@@ -67,17 +76,17 @@ class GraphReducer:
     def __call__(self, buf: tf.Tensor, direction: str) -> tf.Tensor:
         layer, size = self.identity[0], self.comm.size
         head = static_header(layer, direction, *self.identity[1:], size)
-        ours = self._ours()
-        start = tf.constant(head, tf.float64)
-        if not ours:
-            start += tf.cast(self.errors[0], tf.float64) * 0.0  # unfoldable (see the class)
-        out = self._sum(tf.concat([start, tf.cast(buf, tf.float64)], 0), f"hvd_syncbn.{layer}.{direction}", ours)
-        mixed = tf.reduce_any(tf.not_equal(out[:HEADER], tf.constant([size * h for h in head], tf.float64)))
-        summed = tf.where(mixed, tf.constant(float("nan"), tf.float64), out[HEADER:])
+        buf, name = tf.cast(buf, tf.float64), f"hvd_syncbn.{layer}.{direction}"
+        if self._ours():  # the library checks the header
+            summed, mixed = xla.checked_allreduce(buf, name, head, comm=self._mpi(layer), timeout=get_timeout())
+        else:
+            start = tf.constant(head, tf.float64) + tf.cast(self.errors[0], tf.float64) * 0.0  # see the class
+            out = self._horovod_sum(tf.concat([start, buf], 0), name)
+            mixed = tf.reduce_any(tf.not_equal(out[:HEADER], tf.constant([size * h for h in head], tf.float64)))
+            summed = tf.where(mixed, tf.constant(float("nan"), tf.float64), out[HEADER:])
         if direction == "fwd":
             return summed
-        flag = tf.cast(tf.stack([mixed] + [False] * (len(FLAGS) - 1)), self.errors.dtype)
-        with tf.control_dependencies([self.errors.assign(tf.maximum(self.errors, flag))]):
+        with tf.control_dependencies([self.errors.assign_add(_counts({"mismatch": mixed}))]):
             return tf.identity(summed)
 
     def met(self) -> Tuple[Communicator, Call]:
@@ -88,10 +97,8 @@ class GraphReducer:
         """Whether hvd_syncbn's allreduce sums (inside XLA, or ``comm`` MPI where it is built)."""
         return xla.in_xla() or (isinstance(self.comm, MpiCommunicator) and xla.available() is None)
 
-    def _sum(self, full: tf.Tensor, name: str, ours: bool) -> tf.Tensor:
+    def _horovod_sum(self, full: tf.Tensor, name: str) -> tf.Tensor:
         layer = self.identity[0]
-        if ours:
-            return xla.allreduce(full, name, comm=self._mpi(layer), timeout=get_timeout())
         hvd = transports.horovod(f"{layer}: the device path (stats='device') outside XLA")
         if not hvd.is_initialized():
             raise RuntimeError(f"{layer}: the device path (stats='device') sums with Horovod's graph op outside "

@@ -35,7 +35,7 @@ class _TFOps:
 
     @staticmethod
     def maximum(x: tf.Tensor, floor: float) -> tf.Tensor:
-        return tf.maximum(x, tf.cast(floor, x.dtype))
+        return tf.maximum(x, tf.constant(floor, x.dtype))  # a constant, not a Cast op per call
 
     @staticmethod
     def sum(x: tf.Tensor, axes: Sequence[int]) -> tf.Tensor:
@@ -47,7 +47,7 @@ class _TFOps:
 
     @staticmethod
     def where(cond: tf.Tensor, a: tf.Tensor, b) -> tf.Tensor:
-        return tf.where(cond, a, b if isinstance(b, tf.Tensor) else tf.cast(b, a.dtype))
+        return tf.where(cond, a, tf.convert_to_tensor(b, a.dtype))
 
     @staticmethod
     def rsqrt(x: tf.Tensor) -> tf.Tensor:
@@ -102,8 +102,10 @@ def _fused_moments(x: tf.Tensor, axes: Sequence[int], x4: tf.Tensor, fmt: str):
     Where the kernel's float32 mean is too coarse (:func:`hvd_syncbn.backend.needs_float64`),
     the reference runs instead."""
     channel = 3 if fmt == "NHWC" else 1
-    ones = tf.ones(tf.shape(x4)[channel:channel + 1], x4.dtype)
-    count = tf.cast(tf.size(x4), x4.dtype) / tf.cast(tf.size(ones), x4.dtype)
+    channels = x4.shape[channel]  # static where the layer is built: constants, no ops
+    ones = tf.ones([channels] if channels is not None else tf.shape(x4)[channel:channel + 1], x4.dtype)
+    per_row = channels if channels is not None else tf.cast(tf.size(ones), x4.dtype)
+    count = tf.cast(tf.size(x4), x4.dtype) / per_row
     # batch_variance is the unbiased one: n/(n−1), or 1 for n ≤ 1; no rows give NaN.
     # epsilon only touches the normalised output, which this call discards.
     _, mean, var, _, _, _ = tf.raw_ops.FusedBatchNormV3(
@@ -372,7 +374,7 @@ def _sync_normalize(
     weight = None if mask is None else tf.cast(mask, xs[0].dtype)
     step = backend.Step(_ops, _kernels(xs, axes, epsilon, weight), reduce, checks, epsilon, name)
     parts = len(xs)
-    params = [tf.reshape(t, [-1]) for t in (gamma, beta) if t is not None]
+    params = [t if t.shape.rank == 1 else tf.reshape(t, [-1]) for t in (gamma, beta) if t is not None]
 
     @tf.custom_gradient
     def op(*inputs):

@@ -7,8 +7,9 @@ the collective. Inside XLA it is an XLA FFI handler registered for XLA's ``"Host
 platform, emitted as a StableHLO ``custom_call`` (``api_version = 4``, typed FFI) inside an
 ``XlaCallModule`` op; outside XLA (eager, plain ``tf.function``) the library's CPU kernel
 ``HvdSyncbnAllreduce`` runs it (there the XLA call compiled on its own cost about 45 µs
-more per collective, in a training step at 2 ranks). It only sums: identity headers and
-checks are the caller's.
+more per collective, in a training step at 2 ranks). :func:`checked_allreduce` also sums an
+identity header in front of the buffer and reports where it did not add up; what the
+header identifies is the caller's.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import ctypes
 import os
 import threading
 import weakref
-from typing import Any, Optional
+from typing import Any, Optional, Sequence, Tuple
 
 import tensorflow as tf
 
@@ -126,7 +127,6 @@ def in_xla() -> bool:
     return control_flow_util.GraphOrParentsInXlaContext(ops.get_default_graph())
 
 
-@tf.autograph.experimental.do_not_convert
 def allreduce(buf: Any, name: str, comm: Any = None, timeout: Optional[float] = None) -> tf.Tensor:
     """Sum a 1-D float64 tensor over the ranks of ``comm``; a tensor of the same shape.
 
@@ -150,6 +150,17 @@ def allreduce(buf: Any, name: str, comm: Any = None, timeout: Optional[float] = 
         ValueError: ``buf`` is not a 1-D float64 tensor of a static length.
         tf.errors.DeadlineExceededError: when run, if the other ranks did not join in time.
     """
+    return checked_allreduce(buf, name, (), comm, timeout)[0]
+
+
+@tf.autograph.experimental.do_not_convert
+def checked_allreduce(buf: Any, name: str, header: Sequence[float], comm: Any = None,
+                      timeout: Optional[float] = None) -> Tuple[tf.Tensor, tf.Tensor]:
+    """:func:`allreduce` of ``header`` followed by ``buf``, in one collective: ``(sum of buf,
+    mismatch)``, ``mismatch`` a boolean scalar, true (and the sum all NaN) where the
+    header's sum is not ``comm``'s size times ``header`` (the ranks summed different
+    collectives). ``header``: integers below 2**53 whose sum over the ranks is exact
+    (:func:`hvd_syncbn.comm.static_header`'s), fixed when traced."""
     from mpi4py import MPI
     from tensorflow.compiler.tf2xla.ops import gen_xla_ops
     from tensorflow.compiler.tf2xla.python import xla as tf_xla
@@ -162,36 +173,38 @@ def allreduce(buf: Any, name: str, comm: Any = None, timeout: Optional[float] = 
         raise ValueError(f"allreduce {name!r}: expected a 1-D float64 tensor of a static length, "
                          f"got {buf.dtype.name} of shape {buf.shape}")
     timeout = get_timeout() if timeout is None else float(timeout)
+    header = [int(h) for h in header]
     handle = MPI._handleof(default_comm() if comm is None else comm)
     order = _previous()
     operands = [buf] + ([order] if order is not None else [])  # the buffer, then what it follows
     if not in_xla():
-        out = _kernel.hvd_syncbn_allreduce(buf=buf, order=operands[1:], comm=handle, timeout=timeout, label=name,
-                                           name="hvd_syncbn_allreduce")
+        out, mismatch = _kernel.hvd_syncbn_allreduce(buf=buf, order=operands[1:], comm=handle, timeout=timeout,
+                                                     label=name, header=header, name="hvd_syncbn_allreduce")
         _remember(out)
-        return out
-    attributes = f"comm = {handle} : i64, timeout = {timeout:.6e} : f64, name = {_mlir_string(name)}"
-    (out,) = gen_xla_ops.xla_call_module(
+        return out, mismatch
+    attributes = (f"comm = {handle} : i64, timeout = {timeout:.6e} : f64, name = {_mlir_string(name)}, "
+                  f"header = array<i64{': ' if header else ''}{', '.join(map(str, header))}>")
+    out, mismatch = gen_xla_ops.xla_call_module(
         operands, version=tf_xla.call_module_maximum_supported_version(), module=_module(operands, attributes),
-        Sout=[buf.shape], Tout=[tf.float64], platforms=["CPU"], name="hvd_syncbn_xla_allreduce")
+        Sout=[buf.shape, []], Tout=[tf.float64, tf.bool], platforms=["CPU"], name="hvd_syncbn_xla_allreduce")
     _remember(out)
-    return out
+    return out, mismatch
 
 
 def _module(operands: list, attributes: str) -> bytes:
     """A serialized StableHLO module whose ``main`` is our custom call on ``operands``,
-    with the typed-FFI ``attributes`` (an MLIR dictionary's body)."""
+    with the typed-FFI ``attributes`` (an MLIR dictionary's body): the sum and the mismatch."""
     from tensorflow.compiler.mlir.stablehlo import stablehlo
 
     types = [_mlir_type(t) for t in operands]
     params = ", ".join(f"%arg{i}: {t}" for i, t in enumerate(types))
     args = ", ".join(f"%arg{i}" for i in range(len(types)))
-    result = types[0]
+    results = f"{types[0]}, tensor<i1>"
     text = f"""module @hvd_syncbn {{
-  func.func public @main({params}) -> {result} {{
-    %0 = stablehlo.custom_call @{TARGET}({args}) {{api_version = 4 : i32, has_side_effect = true,
-        backend_config = {{{attributes}}}}} : ({", ".join(types)}) -> {result}
-    return %0 : {result}
+  func.func public @main({params}) -> ({results}) {{
+    %0:2 = stablehlo.custom_call @{TARGET}({args}) {{api_version = 4 : i32, has_side_effect = true,
+        backend_config = {{{attributes}}}}} : ({", ".join(types)}) -> ({results})
+    return %0#0, %0#1 : {results}
   }}
 }}"""
     return stablehlo.serialize_portable_artifact_str(text, stablehlo.get_current_version())

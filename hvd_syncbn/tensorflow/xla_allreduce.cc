@@ -10,22 +10,28 @@
 // - outside XLA, the TensorFlow op HvdSyncbnAllreduce (CPU kernel, same attributes), loaded
 //   by tf.load_op_library: a plain kernel, where the XLA call compiled on its own cost about
 //   45 us more per collective (a training step at 2 ranks).
+//     header: i64[]  identity values summed in front of the buffer (may be empty);
 // Operands: the buffer, then any number of ordering operands (ignored: they only make the
-// calls of one graph run in the order they were traced). Result: the sum.
-// It only sums: identity headers and checks are the caller's.
+// calls of one graph run in the order they were traced). Results: the sum, and whether the
+// header's sum differs from the communicator's size times the header (the ranks summed
+// different collectives), in which case the sum is all NaN. What the header identifies is
+// the caller's (hvd_syncbn.comm.static_header).
 
 // The C API only: no C++ bindings (Open MPI and MPICH would pull in libmpi_cxx).
 #define OMPI_SKIP_MPICXX 1
 #define MPICH_SKIP_MPICXX 1
 #include <mpi.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
+#include <limits>
 #include <string>
 #include <string_view>
 #include <thread>
+#include <vector>
 
 #include "tensorflow/core/framework/op.h"
 #include "tensorflow/core/framework/op_kernel.h"
@@ -95,9 +101,36 @@ Failure SumOverMpi(const double* in, double* out, size_t count, MPI_Comm comm, d
   return Failure::kDeadline;
 }
 
+// SumOverMpi of `header` followed by `in` (`count` values); the sum of `in` into `out`, or
+// NaN with `*mismatch` set where the header's sum is not the communicator's size times it.
+Failure SumChecked(const double* in, double* out, size_t count, const int64_t* header, size_t heads,
+                   bool* mismatch, MPI_Comm comm, double timeout, std::string_view name,
+                   std::string* error) {
+  *mismatch = false;
+  if (heads == 0) return SumOverMpi(in, out, count, comm, timeout, name, error);
+  // Headers are integers below 2^53: exact as doubles, and so is size times one.
+  auto* buf = new std::vector<double>(header, header + heads);
+  buf->insert(buf->end(), in, in + count);
+  auto* sum = new std::vector<double>(buf->size());
+  const Failure failure = SumOverMpi(buf->data(), sum->data(), buf->size(), comm, timeout, name, error);
+  if (failure == Failure::kDeadline) return failure;  // MPI may still use both: leave them be
+  int size = 0;
+  MPI_Comm_size(comm, &size);
+  for (size_t i = 0; i < heads; ++i) *mismatch |= (*sum)[i] != static_cast<double>(size) * header[i];
+  if (*mismatch) {
+    std::fill(out, out + count, std::numeric_limits<double>::quiet_NaN());
+  } else {
+    std::copy(sum->begin() + heads, sum->end(), out);
+  }
+  delete buf;
+  delete sum;
+  return failure;
+}
+
 ffi::Error Allreduce(ffi::Buffer<ffi::F64> in, ffi::RemainingArgs /*order*/,
-                     ffi::ResultBuffer<ffi::F64> out, int64_t comm_handle, double timeout,
-                     std::string_view name) {
+                     ffi::ResultBuffer<ffi::F64> out, ffi::ResultBufferR0<ffi::PRED> mismatch,
+                     int64_t comm_handle, double timeout, std::string_view name,
+                     ffi::Span<const int64_t> header) {
   const size_t count = in.element_count();
   if (out->element_count() != count) {
     return ffi::Error::InvalidArgument(std::string(name) + ": the result has " +
@@ -105,8 +138,8 @@ ffi::Error Allreduce(ffi::Buffer<ffi::F64> in, ffi::RemainingArgs /*order*/,
                                        " values, expected " + std::to_string(count));
   }
   std::string error;
-  switch (SumOverMpi(in.typed_data(), out->typed_data(), count, CommFromHandle(comm_handle), timeout,
-                     name, &error)) {
+  switch (SumChecked(in.typed_data(), out->typed_data(), count, header.begin(), header.size(),
+                     mismatch->typed_data(), CommFromHandle(comm_handle), timeout, name, &error)) {
     case Failure::kNone: return ffi::Error::Success();
     case Failure::kInvalid: return ffi::Error::InvalidArgument(error);
     case Failure::kMpi: return ffi::Error::Internal(error);
@@ -122,6 +155,7 @@ class AllreduceKernel : public tensorflow::OpKernel {
     OP_REQUIRES_OK(context, context->GetAttr("comm", &comm_));
     OP_REQUIRES_OK(context, context->GetAttr("timeout", &timeout_));
     OP_REQUIRES_OK(context, context->GetAttr("label", &label_));
+    OP_REQUIRES_OK(context, context->GetAttr("header", &header_));
   }
 
   // Run inline by the executor thread that readied it, not handed to another: a thread hop
@@ -131,9 +165,12 @@ class AllreduceKernel : public tensorflow::OpKernel {
   void Compute(tensorflow::OpKernelContext* context) override {
     const tensorflow::Tensor& in = context->input(0);
     tensorflow::Tensor* out = nullptr;
+    tensorflow::Tensor* mismatch = nullptr;
     OP_REQUIRES_OK(context, context->allocate_output(0, in.shape(), &out));
+    OP_REQUIRES_OK(context, context->allocate_output(1, tensorflow::TensorShape({}), &mismatch));
     std::string error;
-    switch (SumOverMpi(in.flat<double>().data(), out->flat<double>().data(), in.NumElements(),
+    switch (SumChecked(in.flat<double>().data(), out->flat<double>().data(), in.NumElements(),
+                       header_.data(), header_.size(), mismatch->scalar<bool>().data(),
                        CommFromHandle(comm_), timeout_, label_, &error)) {
       case Failure::kNone: return;
       case Failure::kInvalid: return context->SetStatus(absl::InvalidArgumentError(error));
@@ -146,6 +183,7 @@ class AllreduceKernel : public tensorflow::OpKernel {
   int64_t comm_ = 0;
   float timeout_ = 0;
   std::string label_;
+  std::vector<int64_t> header_;
 };
 
 }  // namespace
@@ -155,13 +193,16 @@ REGISTER_OP("HvdSyncbnAllreduce")
     .Input("buf: double")
     .Input("order: N * double")
     .Output("sum: double")
+    .Output("mismatch: bool")
     .Attr("N: int >= 0")
     .Attr("comm: int")
     .Attr("timeout: float")
     .Attr("label: string")
+    .Attr("header: list(int) = []")
     .SetIsStateful()
     .SetShapeFn([](tensorflow::shape_inference::InferenceContext* c) {
       c->set_output(0, c->input(0));
+      c->set_output(1, c->Scalar());
       return absl::OkStatus();
     });
 REGISTER_KERNEL_BUILDER(Name("HvdSyncbnAllreduce").Device(tensorflow::DEVICE_CPU), AllreduceKernel);
@@ -171,9 +212,11 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(hvd_syncbn_xla_allreduce, Allreduce,
                                   .Arg<ffi::Buffer<ffi::F64>>()
                                   .RemainingArgs()
                                   .Ret<ffi::Buffer<ffi::F64>>()
+                                  .Ret<ffi::BufferR0<ffi::PRED>>()
                                   .Attr<int64_t>("comm")
                                   .Attr<double>("timeout")
-                                  .Attr<std::string_view>("name"));
+                                  .Attr<std::string_view>("name")
+                                  .Attr<ffi::Span<const int64_t>>("header"));
 
 extern "C" {
 
