@@ -63,7 +63,11 @@ class ArrayOps(Protocol):
         """Whether any element of the boolean ``x`` is true (a scalar of the framework)."""
 
     def where(self, cond: Tensor, a: Tensor, b: Any) -> Tensor:
-        """``a`` where the boolean ``cond`` holds, else ``b`` (NaN in ``a`` included)."""
+        """``a`` where the boolean ``cond`` holds, else ``b`` (NaN in ``a`` included); ``a``
+        may be a Python number where ``cond`` is a scalar."""
+
+    def mul_no_nan(self, x: Tensor, y: Any) -> Tensor:
+        """``x·y``, but 0 where ``y`` is 0, even where ``x`` is NaN or infinite."""
 
     def rsqrt(self, x: Tensor) -> Tensor:
         """``1/√x`` element-wise."""
@@ -80,6 +84,11 @@ class NumpyOps:
     any = staticmethod(np.any)
     flat = staticmethod(np.ravel)
     where = staticmethod(np.where)
+
+    @staticmethod
+    def mul_no_nan(x: np.ndarray, y: Any) -> np.ndarray:
+        with np.errstate(invalid="ignore"):
+            return np.where(y == 0, 0.0, x * y)
 
     @staticmethod
     def rsqrt(x: np.ndarray) -> np.ndarray:
@@ -350,12 +359,15 @@ def backward(step: Step, dys: Sequence[Tensor], parts: Sequence[Tensor], count: 
 def running_update(xp: ArrayOps, olds: Sequence[Tensor], news: Sequence[Tensor], old_weight: Any,
                    updated: Any) -> list:
     """The running-statistics rule: each ``old`` becomes :func:`ema` of it and ``new``
-    where ``updated`` (the global batch had rows and passed its checks), else stays.
-    ``updated`` is a framework boolean, or a Python or numpy one where the host knows it
-    (then no select is made)."""
+    where ``updated`` (the global batch had rows and passed its checks), else stays
+    (whatever ``new`` holds: a flagged step's may be NaN). ``updated`` is a framework
+    boolean scalar, or a Python or numpy one where the host knows it (then no select is
+    made); ``old_weight`` a number or a scalar in the buffers' dtype."""
     if isinstance(updated, (bool, np.bool_)):
         return [ema(old, new, old_weight) if updated else old for old, new in zip(olds, news)]
-    return [xp.where(updated, ema(old, new, old_weight), old) for old, new in zip(olds, news)]
+    # One scalar select, not one per buffer: weight 1 keeps the old value (a graph pays per op).
+    weight = xp.where(updated, old_weight, 1.0)
+    return [old * weight + xp.mul_no_nan(new, 1.0 - weight) for old, new in zip(olds, news)]
 
 
 def _add(terms: Sequence[Tensor]) -> Tensor:

@@ -252,12 +252,17 @@ class SyncBatchNormalization(keras.layers.BatchNormalization):
                         (self.renorm_stddev, stddev, self.renorm_momentum)]
         else:
             updates.append((self.moving_variance, var, self.momentum))
-        for moving, new, momentum in updates:
-            new = tf.cast(new if new.shape == moving.shape else tf.reshape(new, moving.shape), moving.dtype)
-            moving.assign(backend.running_update(_ops, [moving], [new], float(momentum), some)[0])
+        for momentum in dict.fromkeys(m for _, _, m in updates):  # one running_update per momentum
+            olds = [moving for moving, _, m in updates if m == momentum]
+            news = [tf.cast(new if new.shape == moving.shape else tf.reshape(new, moving.shape), moving.dtype)
+                    for moving, new, m in updates if m == momentum]
+            weight = tf.constant(momentum, olds[0].dtype)
+            for moving, value in zip(olds, backend.running_update(_ops, olds, news, weight, some)):
+                moving.assign(value)
         if self.renorm:  # Keras derives the variance from the standard deviation
             derived = tf.nn.relu(tf.square(self.moving_stddev) - self.epsilon)
-            self.moving_variance.assign(backend.running_update(_ops, [self.moving_variance], [derived], 0.0, some)[0])
+            self.moving_variance.assign(backend.running_update(_ops, [self.moving_variance], [derived],
+                                                                   tf.constant(0.0, derived.dtype), some)[0])
 
     def get_config(self):
         config = super().get_config()

@@ -50,6 +50,10 @@ class _TFOps:
         return tf.where(cond, a, tf.convert_to_tensor(b, a.dtype))
 
     @staticmethod
+    def mul_no_nan(x: tf.Tensor, y: Any) -> tf.Tensor:
+        return tf.math.multiply_no_nan(x, tf.cast(y, x.dtype))
+
+    @staticmethod
     def rsqrt(x: tf.Tensor) -> tf.Tensor:
         return tf.math.rsqrt(x)
 

@@ -33,6 +33,10 @@ class TorchOps:
         return x.to(torch.float64)
 
     @staticmethod
+    def mul_no_nan(x: Tensor, y: Any) -> Tensor:
+        return torch.where(y == 0, 0.0, x * y)
+
+    @staticmethod
     def sum(x: Tensor, axes) -> Tensor:
         return x.sum(list(axes), keepdim=True)
 
@@ -41,7 +45,9 @@ class TorchOps:
         return x.reshape(-1)
 
     @staticmethod
-    def where(cond: Tensor, a: Tensor, b: Any) -> Tensor:
+    def where(cond: Tensor, a: Any, b: Any) -> Tensor:
+        if not isinstance(a, Tensor):  # a Python number: float64, not torch's default float32
+            a = torch.tensor(a, dtype=torch.float64, device=cond.device)
         return torch.where(cond, a, b)
 
     @staticmethod
