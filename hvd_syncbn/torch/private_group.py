@@ -181,3 +181,11 @@ def build(over: Communicator) -> Tuple[dist.ProcessGroup, dist.Store]:
         log.warning("hvd_syncbn: a private torch.distributed group (%s) over %s, its store on port %d",
                     " and ".join(t.name.lower() for _, _, t in backends), over.kind, offer["port"])
     return pg, store
+
+
+def release(pg: dist.ProcessGroup) -> None:
+    """Take :func:`build`'s group out of torch's registry, so that once its holder drops it
+    the group is destroyed, which joins Gloo's worker threads (``shutdown()`` does not)."""
+    unregister = getattr(torch._C._distributed_c10d, "_unregister_process_group", None)  # private, as above
+    if unregister is not None:
+        unregister(pg.group_name)
