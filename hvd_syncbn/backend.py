@@ -63,8 +63,7 @@ class ArrayOps(Protocol):
         """Whether any element of the boolean ``x`` is true (a scalar of the framework)."""
 
     def where(self, cond: Tensor, a: Tensor, b: Any) -> Tensor:
-        """``a`` where the boolean ``cond`` holds, else ``b`` (NaN in ``a`` included); ``a``
-        may be a Python number where ``cond`` is a scalar."""
+        """``a`` where the boolean ``cond`` holds, else ``b`` (NaN in ``a`` included)."""
 
     def mul_no_nan(self, x: Tensor, y: Any) -> Tensor:
         """``x·y``, but 0 where ``y`` is 0, even where ``x`` is NaN or infinite."""
@@ -362,7 +361,8 @@ def running_update(xp: ArrayOps, olds: Sequence[Tensor], news: Sequence[Tensor],
     where ``updated`` (the global batch had rows and passed its checks), else stays
     (whatever ``new`` holds: a flagged step's may be NaN). ``updated`` is a framework
     boolean scalar, or a Python or numpy one where the host knows it (then no select is
-    made); ``old_weight`` a number or a scalar in the buffers' dtype."""
+    made); ``old_weight`` a scalar in the buffers' dtype, or a number where ``xp.where``
+    takes one (:class:`~hvd_syncbn.torch.kernels.TorchOps`, as float64)."""
     if isinstance(updated, (bool, np.bool_)):
         return [ema(old, new, old_weight) if updated else old for old, new in zip(olds, news)]
     # One scalar select, not one per buffer: weight 1 keeps the old value (a graph pays per op).

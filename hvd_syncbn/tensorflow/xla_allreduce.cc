@@ -5,12 +5,12 @@
 //     comm: i64      the MPI_Comm handle (mpi4py's MPI._handleof), owned by Python;
 //     timeout: f64   seconds to wait for the other ranks;
 //     name: string   the collective's name, for the error message;
+//     header: i64[]  identity values summed in front of the buffer (may be empty);
 //   registered by hvd_syncbn_xla_register(), which Python (hvd_syncbn/tensorflow/xla.py)
 //   hands the FFI API table of the TensorFlow in the process;
 // - outside XLA, the TensorFlow op HvdSyncbnAllreduce (CPU kernel, same attributes), loaded
 //   by tf.load_op_library: a plain kernel, where the XLA call compiled on its own cost about
 //   45 us more per collective (a training step at 2 ranks).
-//     header: i64[]  identity values summed in front of the buffer (may be empty);
 // Operands: the buffer, then any number of ordering operands (ignored: they only make the
 // calls of one graph run in the order they were traced). Results: the sum, and whether the
 // header's sum differs from the communicator's size times the header (the ranks summed
@@ -28,6 +28,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <limits>
+#include <memory>
 #include <string>
 #include <string_view>
 #include <thread>
@@ -109,11 +110,15 @@ Failure SumChecked(const double* in, double* out, size_t count, const int64_t* h
   *mismatch = false;
   if (heads == 0) return SumOverMpi(in, out, count, comm, timeout, name, error);
   // Headers are integers below 2^53: exact as doubles, and so is size times one.
-  auto* buf = new std::vector<double>(header, header + heads);
+  auto buf = std::make_unique<std::vector<double>>(header, header + heads);
   buf->insert(buf->end(), in, in + count);
-  auto* sum = new std::vector<double>(buf->size());
+  auto sum = std::make_unique<std::vector<double>>(buf->size());
   const Failure failure = SumOverMpi(buf->data(), sum->data(), buf->size(), comm, timeout, name, error);
-  if (failure == Failure::kDeadline) return failure;  // MPI may still use both: leave them be
+  if (failure == Failure::kDeadline) {  // the request is still pending: MPI may use both later
+    buf.release();
+    sum.release();
+  }
+  if (failure != Failure::kNone) return failure;
   int size = 0;
   MPI_Comm_size(comm, &size);
   for (size_t i = 0; i < heads; ++i) *mismatch |= (*sum)[i] != static_cast<double>(size) * header[i];
@@ -122,8 +127,6 @@ Failure SumChecked(const double* in, double* out, size_t count, const int64_t* h
   } else {
     std::copy(sum->begin() + heads, sum->end(), out);
   }
-  delete buf;
-  delete sum;
   return failure;
 }
 
