@@ -5,7 +5,9 @@ A drop-in for ``nn.BatchNorm1d/2d/3d`` whose batch statistics cover every rank.
 
 from __future__ import annotations
 
+import inspect
 import itertools
+import weakref
 from typing import Any, NamedTuple, Optional
 
 import numpy as np
@@ -13,61 +15,57 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.autograd.function import once_differentiable
+from torch.nn import init
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from hvd_syncbn import backend
 from hvd_syncbn.comm import Communicator, SyncBatchNormError
 from hvd_syncbn.torch import deferred, reducers, transports
-from hvd_syncbn.torch.kernels import DeviceKernels, HostKernels, Stats
+from hvd_syncbn.torch.device import DeviceFunction, Plan
+from hvd_syncbn.torch.kernels import HostKernels, Stats
 from hvd_syncbn.torch.reducers import GroupReducer, HostReducer, Identity, OpReducer
 from hvd_syncbn.transports import requested_kind
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 _layer_ids = itertools.count()
+_sync_ids = itertools.count()
+_layers: "weakref.WeakValueDictionary[int, SyncBatchNorm]" = weakref.WeakValueDictionary()
+"""Every layer by its ``_sync_id``: how a traced call finds its layer (Dynamo passes no
+module to a function it treats as constant)."""
 
 
 class Context(NamedTuple):
-    """What one synchronized call needs besides tensors: the kernels (with ``eps``), the
-    summing allreduce, whether checks are deferred (device path) or raise (host path),
-    the layer's name and ``check_finite``."""
+    """What one call on the host path needs besides tensors: the kernels (with ``eps``),
+    the summing allreduce, the layer's name and ``check_finite``."""
 
-    kernels: DeviceKernels
+    kernels: HostKernels
     reduce: Any
-    deferred: bool
     name: str
     check_finite: bool
 
     def step(self) -> backend.Step:
-        checks = deferred.DeferredChecks() if self.deferred else backend.RAISE
-        return backend.Step(self.kernels.xp, self.kernels, self.reduce, checks, self.kernels.eps, self.name)
+        return backend.Step(self.kernels.xp, self.kernels, self.reduce, backend.RAISE, self.kernels.eps, self.name)
 
 
 class _SyncBatchNormFunction(torch.autograd.Function):
-    """Normalise with global statistics (:func:`hvd_syncbn.backend.forward`); backward with
-    one packed allreduce (:func:`hvd_syncbn.backend.backward`). Returns ``y`` and, not
-    differentiable, the global count, mean, biased variance (in the kernels' ``xp``) and
-    the deferred checks' flags (``None`` on the host path, whose checks raise)."""
+    """The host path: normalise with global statistics (:func:`hvd_syncbn.backend.forward`);
+    backward with one packed allreduce (:func:`hvd_syncbn.backend.backward`). Returns
+    ``y`` and the global count, mean and biased variance (numpy)."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, context: Context):  # noqa: D401 - autograd API
-        step = context.step()
-        (y,), (count, mean, var), stats = backend.forward(step, [x], weight, bias, context.check_finite)
-        errors = step.checks.stacked() if context.deferred else None
-        on_device = isinstance(count, Tensor)  # traced tensors must be saved as such
-        ctx.save_for_backward(x, weight, *stats, *((count, var) if on_device else ()))
-        ctx.context, ctx.host_stats = context, None if on_device else (count, var)
-        if on_device:
-            ctx.mark_non_differentiable(count, mean, var, errors)
-        return y, count, mean, var, errors
+        (y,), (count, mean, var), stats = backend.forward(context.step(), [x], weight, bias, context.check_finite)
+        ctx.save_for_backward(x, weight, *stats)
+        ctx.context, ctx.host_stats = context, (count, var)
+        return y, count, mean, var
 
     @staticmethod
     @once_differentiable  # the sums are taken outside autograd: a second derivative would be silently wrong
     def backward(ctx, dy, *_):
         x, weight, *saved = ctx.saved_tensors
-        count, var = saved[3:] if ctx.host_stats is None else ctx.host_stats
-        kernels = ctx.context.kernels
+        (count, var), kernels = ctx.host_stats, ctx.context.kernels
         scale = None if weight is None else kernels.wide(weight)
-        dxs, sum_dy, sum_dy_xhat = backend.backward(ctx.context.step(), [dy], [x], count, var, Stats(*saved[:3]),
+        dxs, sum_dy, sum_dy_xhat = backend.backward(ctx.context.step(), [dy], [x], count, var, Stats(*saved),
                                                     scale, ctx.needs_input_grad[0])
         grads = [None if weight is None or not need else kernels.vector(s, weight.dtype)
                  for s, need in ((sum_dy_xhat, ctx.needs_input_grad[1]), (sum_dy, ctx.needs_input_grad[2]))]
@@ -159,8 +157,21 @@ class SyncBatchNorm(_BatchNorm):
     ) -> None:
         _check_args(num_features, eps, momentum)
         group = one_group("SyncBatchNorm", process_set, process_group)
-        super().__init__(num_features, eps, momentum, affine, track_running_stats, device, dtype, bias=bias)
+        if "bias" in inspect.signature(_BatchNorm.__init__).parameters:
+            super().__init__(num_features, eps, momentum, affine, track_running_stats, device, dtype, bias=bias)
+        else:  # torch before the keyword (2.11 and older): no β by hand, as torch's later versions do
+            super().__init__(num_features, eps, momentum, affine, track_running_stats, device, dtype)
+            if not bias and self.bias is not None:
+                self.register_parameter("bias", None)
         self._init_sync(group, name, comm, check_finite, stats)
+
+    def reset_parameters(self) -> None:
+        """As ``_BatchNorm``'s, for a layer without ``β`` too (older torch resets ``β`` unasked)."""
+        self.reset_running_stats()
+        if self.weight is not None:
+            init.ones_(self.weight)
+        if self.bias is not None:
+            init.zeros_(self.bias)
 
     @classmethod
     def convert_sync_batchnorm(cls, module: nn.Module, process_group: Any = None, **layer_args: Any) -> nn.Module:
@@ -187,10 +198,21 @@ class SyncBatchNorm(_BatchNorm):
         self.stats = backend.stats_choice("SyncBatchNorm", stats)
         self._mean_guess: Optional[Tensor] = None  # last global batch mean (see kernels.host_moments)
         like = next((t for t in (self.weight, self.running_mean) if t is not None), None)
-        self.register_buffer("_sync_errors", torch.zeros(3, dtype=torch.bool, device=None if like is None
-                                                         else like.device), persistent=False)
+        self.register_buffer("_sync_errors", torch.zeros(len(deferred.SLOTS), dtype=torch.bool,
+                                                         device=None if like is None else like.device), persistent=False)
+        self._register()
 
-    _SYNC_ATTRIBUTES = ("process_set", "layer_name", "comm", "check_finite", "stats", "_mean_guess")
+    def _register(self) -> None:
+        self._sync_id = next(_sync_ids)
+        _layers[self._sync_id] = self
+
+    def __setstate__(self, state: dict) -> None:
+        """As ``nn.Module``'s (``copy.deepcopy``, unpickling), the copy a layer of its own."""
+        super().__setstate__(state)
+        if "_sync_id" in state:
+            self._register()
+
+    _SYNC_ATTRIBUTES = ("process_set", "layer_name", "comm", "check_finite", "stats", "_mean_guess", "_sync_id")
     """What :meth:`_init_sync` sets (and the ``_sync_errors`` buffer); reverting to plain BN drops these."""
 
     def train(self, mode: bool = True) -> "SyncBatchNorm":
@@ -218,39 +240,16 @@ class SyncBatchNorm(_BatchNorm):
     def _comm(self, nccl: bool = False) -> Optional[Communicator]:
         """The communicator of this call, or ``None`` when this process is alone; ``nccl``:
         CUDA tensors on the device path (see :func:`hvd_syncbn.torch.transports.resolve`)."""
-        comm = _traced_comm(self, nccl) if torch.compiler.is_compiling() else self._resolve_comm(nccl)
+        comm = _traced_comm(self._sync_id, nccl) if torch.compiler.is_compiling() else self._resolve_comm(nccl)
         return comm if comm is not None and comm.size > 1 else None
 
-    def _context(self, x: Tensor, comm: Communicator, on_device: bool) -> Context:
-        """How this call synchronizes: host or device kernels, and the matching reducer."""
-        identity, acc = Identity.of(self.layer_name, self.num_features, x), self._acc_dtype(x)
+    def _reducer(self, x: Tensor, comm: Communicator, on_device: bool) -> Any:
+        """How this call's buffers are summed: numpy on the host; on the device a functional
+        collective (``torch.distributed``) or the custom op (Horovod, MPI)."""
+        identity = Identity.of(self.layer_name, self.num_features, x)
         if not on_device:
-            reduce = HostReducer(comm, identity)
-            kernels = HostKernels(self.eps, acc, x.device, self._mean_guess,
-                                  lambda problem, e: reduce.fail(f"{self.layer_name}: {problem}",
-                                                                 SyncBatchNormError, e))
-            return Context(kernels, reduce, False, self.layer_name, self.check_finite)
-        reduce = GroupReducer(comm, identity) if comm.traceable else OpReducer(comm, identity, x.device)
-        return Context(DeviceKernels(self.eps, acc), reduce, True, self.layer_name, self.check_finite)
-
-    def _update_running(self, kernels: DeviceKernels, count: Any, mean: Any, var: Any, ok: Any) -> None:
-        """Count the batch and update the running statistics (both in ``kernels.xp``),
-        unless the global batch was empty or a deferred check failed (``ok`` false)."""
-        if not (self.training and self.track_running_stats):
-            return
-        xp, updated = kernels.xp, (count[0] > 0) & ok
-        known = not isinstance(updated, Tensor)  # the host path: numpy statistics, the checks raised
-        if known and not updated:
-            return
-        with torch.no_grad():
-            tracked = self.num_batches_tracked
-            tracked.add_(1 if known else updated.to(tracked.device, tracked.dtype))
-            momentum = self.momentum if self.momentum is not None else 1.0 / xp.maximum(kernels.wide(tracked), 1.0)
-            buffers = (self.running_mean, self.running_var)
-            news = backend.running_update(xp, [kernels.wide(b) for b in buffers],
-                                          [mean, backend.unbiased(var, count)], 1.0 - momentum, updated)
-            for buf, new in zip(buffers, news):
-                buf.copy_(torch.as_tensor(new))
+            return HostReducer(comm, identity)
+        return GroupReducer(comm, identity) if comm.traceable else OpReducer(comm, identity, x.device)
 
     def forward(self, input: Tensor) -> Tensor:
         comm, on_device = None, False
@@ -260,17 +259,58 @@ class SyncBatchNorm(_BatchNorm):
             comm = self._comm(on_device and input.device.type == "cuda")
         if comm is None:
             return self._alone(input)
-        context = self._context(input, comm, on_device)
+        reduce = self._reducer(input, comm, on_device)
         try:
             self._check_input_dim(input)
         except ValueError as e:  # bad input: every rank fails together, not this one alone
-            context.reduce.fail(str(e))
-        y, count, mean, var, errors = _SyncBatchNormFunction.apply(input, self.weight, self.bias, context)
-        if errors is not None:
-            deferred.record(self.layer_name, self._sync_errors, errors)
-        else:  # the next step centres its data on this global mean (see kernels.host_moments)
-            self._mean_guess = context.kernels.vector(mean, context.kernels.acc) if np.isfinite(mean).all() else None
-        self._update_running(context.kernels, count, mean, var, True if errors is None else ~errors.any())
+            reduce.fail(str(e))
+        return self._on_device(input, reduce) if on_device else self._on_host(input, reduce)
+
+    def _on_device(self, x: Tensor, reduce: Any) -> Tensor:
+        """The device path (:mod:`hvd_syncbn.torch.device`): flags recorded, nothing read."""
+        plan = Plan(reduce, self.eps, self._acc_dtype(x), self.check_finite)
+        y, stats, count, flags = DeviceFunction.apply(x, self.weight, self.bias, plan)
+        with torch.no_grad():
+            deferred.record(self.layer_name, self._sync_errors, flags, len(reduce.head("fwd")))
+            if self.training and self.track_running_stats:
+                updated = count < -1.0  # 2+ rows, matching headers (a NaN count compares false)
+                if self.check_finite:
+                    updated &= ~flags[-1]
+                self._running_update(stats[0], torch.addcdiv(stats[1], stats[1], count[0] + 1.0, value=-1.0),
+                                     updated)  # var·N/(N−1)
+        return y
+
+    def _running_update(self, mean: Tensor, var: Tensor, updated: Tensor) -> None:
+        """Count the batch and move the running statistics toward ``mean`` and the unbiased
+        ``var`` where ``updated`` (a ``(1,)`` boolean tensor), without a host read."""
+        tracked, buffers = self.num_batches_tracked, [self.running_mean, self.running_var]
+        tracked.add_(updated[0])
+        news = [torch.where(updated, new, old).to(old.dtype) for new, old in zip((mean, var), buffers)]
+        if self.momentum is not None:
+            torch._foreach_lerp_(buffers, news, self.momentum)  # lerp(old, old, w) is old: no update
+            return
+        weight = tracked.clamp_min(1).reciprocal()  # a cumulative average
+        for buf, new in zip(buffers, news):
+            buf.lerp_(new, weight.to(buf.dtype))
+
+    def _on_host(self, x: Tensor, reduce: HostReducer) -> Tensor:
+        """The host path: statistics in numpy, checks that raise."""
+        acc = self._acc_dtype(x)
+        kernels = HostKernels(self.eps, acc, x.device, self._mean_guess,
+                              lambda problem, e: reduce.fail(f"{self.layer_name}: {problem}", SyncBatchNormError, e))
+        y, count, mean, var = _SyncBatchNormFunction.apply(x, self.weight, self.bias,
+                                                           Context(kernels, reduce, self.layer_name, self.check_finite))
+        # the next step centres its data on this global mean (see kernels.host_moments)
+        self._mean_guess = kernels.vector(mean, acc) if np.isfinite(mean).all() else None
+        if self.training and self.track_running_stats and count[0] > 0:
+            with torch.no_grad():
+                self.num_batches_tracked.add_(1)
+                momentum = self.momentum if self.momentum is not None else 1.0 / float(self.num_batches_tracked)
+                buffers = (self.running_mean, self.running_var)
+                news = backend.running_update(backend.NUMPY_OPS, [kernels.wide(b) for b in buffers],
+                                              [mean, backend.unbiased(var, count)], 1.0 - momentum, True)
+                for buf, new in zip(buffers, news):
+                    buf.copy_(torch.from_numpy(new))
         return y
 
     def _alone(self, input: Tensor) -> Tensor:
@@ -290,15 +330,16 @@ class SyncBatchNorm(_BatchNorm):
 
 
 @torch.compiler.assume_constant_result
-def _traced_index(layer: SyncBatchNorm, nccl: bool) -> int:
-    comm = layer._resolve_comm(nccl)
+def _traced_index(layer_id: int, nccl: bool) -> int:
+    comm = _layers[layer_id]._resolve_comm(nccl)
     return -1 if comm is None else reducers.comm_index(comm)
 
 
-def _traced_comm(layer: SyncBatchNorm, nccl: bool) -> Optional[Communicator]:
-    """``layer._resolve_comm(nccl)`` while ``torch.compile`` traces: resolved once per trace
-    (Dynamo cannot trace the resolver, which asks Horovod and the environment)."""
-    index = _traced_index(layer, nccl)
+def _traced_comm(layer_id: int, nccl: bool) -> Optional[Communicator]:
+    """``_resolve_comm(nccl)`` of the layer ``layer_id`` (its ``_sync_id``) while
+    ``torch.compile`` traces: resolved once per trace (Dynamo cannot trace the resolver,
+    which asks Horovod and the environment), from constants only (no module)."""
+    index = _traced_index(layer_id, nccl)
     return None if index < 0 else reducers.known_comm(index)
 
 

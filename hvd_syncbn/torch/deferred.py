@@ -3,16 +3,14 @@
 On the device path (statistics as tensors on the input's device, traceable by
 ``torch.compile``) a check that would need a host read — a global batch of one row,
 ``check_finite``, ranks that summed different collectives over ``torch.distributed`` —
-sets a flag in the layer's ``_sync_errors`` buffer instead; the running statistics are
-left alone on such a step, and the output is NaN after a mismatch. :func:`check` raises
-them, naming the layers; :meth:`SyncBatchNorm.train` and :meth:`~SyncBatchNorm.eval`
-call it. With ``$HVD_SYNCBN_DEVICE_ASSERT=1`` (debugging) each flag is also a
+sets a flag in the layer's ``_sync_errors`` buffer instead (:mod:`hvd_syncbn.torch.device`);
+the running statistics are left alone on such a step, and the output is NaN after a
+mismatch. :func:`check` raises them, naming the layers; :meth:`SyncBatchNorm.train` and
+:meth:`~SyncBatchNorm.eval` call it. With ``$HVD_SYNCBN_DEVICE_ASSERT=1`` (debugging) each flag is also a
 ``torch._assert_async`` at the step.
 """
 
 from __future__ import annotations
-
-from typing import Sequence
 
 import torch
 from torch import Tensor, nn
@@ -20,26 +18,9 @@ from torch import Tensor, nn
 from hvd_syncbn.comm import env_flag
 from hvd_syncbn.deferred import FLAGS, messages, raise_seen
 
-
-class DeferredChecks:
-    """:class:`hvd_syncbn.backend.Checks` that record flags as tensors; a NaN global
-    count is the mark of a mismatched collective (:class:`~hvd_syncbn.torch.reducers.GroupReducer`)."""
-
-    def __init__(self) -> None:
-        self.flags: dict = {}
-
-    def require(self, ok: Tensor, check: str, message: str) -> None:
-        self.flags[check] = ~ok
-
-    def after(self, values: Sequence[Tensor]) -> Sequence[Tensor]:
-        count = values[0][0]
-        self.flags["mismatch"] = count != count
-        return values
-
-    def stacked(self) -> Tensor:
-        """The flags in the order of :data:`FLAGS` (false where a check did not run)."""
-        some = next(iter(self.flags.values()))
-        return torch.stack([self.flags.get(name, torch.zeros_like(some)) for name in FLAGS])
+SLOTS = ("mismatch", "mismatch", "single_row", "non_finite")
+"""A layer's ``_sync_errors``: a header mismatch per header value, then the rest of
+:data:`~hvd_syncbn.deferred.FLAGS`."""
 
 
 ASSERT_ENV = "HVD_SYNCBN_DEVICE_ASSERT"
@@ -50,18 +31,21 @@ def asserts() -> bool:
     """Whether the deferred checks also assert at the step (``$HVD_SYNCBN_DEVICE_ASSERT=1``),
     with ``torch._assert_async``: a debug mode, since on CUDA a failed assert loses its
     message and leaves the CUDA context unusable."""
-    return env_flag(ASSERT_ENV, False, "errors deferred to check(), the default",
-                              "also assert at the step, for debugging")
+    return env_flag(ASSERT_ENV, False, "errors deferred to check(), the default", "also assert at the step, for debugging")
 
 
-def record(name: str, seen: Tensor, errors: Tensor) -> None:
-    """Add a step's ``errors`` (:data:`FLAGS`) of layer ``name`` to what it has ``seen``
-    (its ``_sync_errors``), asserting them first in the debug mode."""
+def record(name: str, seen: Tensor, flags: Tensor, heads: int) -> None:
+    """Add a step's ``flags`` of layer ``name`` (a mismatch per header value for its
+    ``heads`` of them, a global batch of one row, then non-finite statistics where
+    checked) to what it has ``seen`` (its ``_sync_errors``, :data:`SLOTS`), asserting them
+    first in the debug mode."""
+    start = SLOTS.index("single_row") - heads
     if asserts():
-        for flag, text in zip(errors, messages(name)):
-            torch._assert_async(~flag, f"SyncBatchNorm (device path): {text}")
+        texts = dict(zip(FLAGS, messages(name)))
+        for flag, slot in zip(flags, SLOTS[start:]):
+            torch._assert_async(~flag, f"SyncBatchNorm (device path): {texts[slot]}")
     with torch.no_grad():
-        seen |= errors.to(seen.device)
+        seen[start:start + flags.numel()].bitwise_or_(flags)
 
 
 def check(module: nn.Module) -> None:
@@ -76,7 +60,8 @@ def check(module: nn.Module) -> None:
     if not layers:
         return
     first = layers[0]._sync_errors.device
-    seen = torch.stack([m._sync_errors.to(first) for m in layers]).cpu().numpy()  # (layers, flags)
+    seen = torch.stack([m._sync_errors.to(first) for m in layers]).cpu().numpy()  # (layers, SLOTS)
     for m in layers:
         m._sync_errors.zero_()
-    raise_seen("SyncBatchNorm (device path)", [(m.layer_name, row) for m, row in zip(layers, seen)])
+    rows = [(row[:2].any(), row[2], row[3]) for row in seen]  # as FLAGS
+    raise_seen("SyncBatchNorm (device path)", [(m.layer_name, row) for m, row in zip(layers, rows)])

@@ -1,13 +1,8 @@
-"""The passes over the data of :class:`~hvd_syncbn.torch.SyncBatchNorm`, for the driver
-in :mod:`hvd_syncbn.backend`: torch's ops as ``xp`` and the kernels of both paths.
-
-- :class:`DeviceKernels`: every per-channel vector a float64 tensor on the input's
-  device, nothing read on the host, so the step traces under ``torch.compile``.
-- :class:`HostKernels`: the per-channel vectors in numpy float64 on the host, where small
-  ops cost less than framework dispatches; only the passes over the data run in torch.
-
-Both normalise, and take the gradient sums, with PyTorch's native batch-norm kernels
-given the global statistics.
+"""The passes over the data of :class:`~hvd_syncbn.torch.SyncBatchNorm`'s host path, for
+the driver in :mod:`hvd_syncbn.backend` (:class:`HostKernels`: the per-channel vectors
+in numpy float64 on the host, where small ops cost less than framework dispatches; the
+passes over the data in torch), torch's ops as ``xp`` (:class:`TorchOps`) and the
+layout helpers the device path (:mod:`hvd_syncbn.torch.device`) shares.
 """
 
 from __future__ import annotations
@@ -81,35 +76,49 @@ class Stats(NamedTuple):
     invstd: Tensor
 
 
-class DeviceKernels:
-    """:class:`hvd_syncbn.backend.Kernels` for ``(N, C, *)`` torch tensors, accumulating in
-    ``acc``, with the per-channel vectors as float64 tensors on the input's device."""
+_NUMPY = {torch.float32: np.float32, torch.float64: np.float64}
+_CENTRED_FROM = 1 << 15  # values; below, the native statistics kernel is as fast on CPU
 
-    xp = TORCH_OPS
 
-    def __init__(self, eps: float, acc: torch.dtype) -> None:
-        self.eps, self.acc = eps, acc
+def host(t: Tensor) -> np.ndarray:
+    """A per-channel tensor as a numpy array: zero-copy for float32/float64 on the CPU,
+    other dtypes (a model cast to bfloat16 or float16) as float32."""
+    t = t.detach()
+    return (t if t.dtype in _NUMPY else t.float()).cpu().numpy()
+
+
+class HostKernels:
+    """:class:`hvd_syncbn.backend.Kernels` of the host path for ``(N, C, *)`` torch tensors,
+    accumulating in ``acc``: the per-channel vectors in numpy float64 on the host, the
+    passes over the data by PyTorch's native batch-norm kernels given the global
+    statistics.
+
+    ``guess``: a guess of the batch mean (the layer's previous global mean) to centre
+    the data on; ``fail(problem, cause)``: how a failure of the local pass ends every
+    rank's step (joining the collective the peers wait in)."""
+
+    xp = backend.NUMPY_OPS
+
+    def __init__(self, eps: float, acc: torch.dtype, device: torch.device, guess: Optional[Tensor],
+                 fail: Callable[[str, BaseException], None]) -> None:
+        self.eps, self.acc, self.device, self.guess, self.fail = eps, acc, device, guess, fail
 
     def vector(self, v: Any, dtype: torch.dtype) -> Tensor:
-        """A per-channel vector of ``xp`` as a ``dtype`` tensor on the input's device."""
-        return v.to(dtype)
+        """A per-channel numpy vector as a ``dtype`` tensor on the input's device."""
+        if dtype in _NUMPY:
+            return torch.from_numpy(np.asarray(v, dtype=_NUMPY[dtype])).to(self.device)
+        return torch.from_numpy(np.asarray(v, dtype=np.float64)).to(self.device, dtype)
 
     def wide(self, t: Tensor) -> Any:
-        """A per-channel torch tensor as a float64 vector of ``xp``."""
-        return t.detach().double()
+        """A per-channel torch tensor as a float64 numpy vector."""
+        return host(t).astype(np.float64)
 
     def moments(self, x: Tensor) -> tuple:
-        """``var_mean`` in ``acc`` of the data shifted by one of its own values per channel
-        (a shift within a few standard deviations of the mean keeps the float32 mean's
-        rounding far below the spread), the shift added back in float64."""
-        dims = reduced_dims(x)
-        count = TORCH_OPS.rows(x, dims)
-        if x.numel() == 0:  # zeros that depend on x, so that a compiler keeps the collective in place
-            zeros = x.detach().to(torch.float64).sum(dims)
-            return count, zeros, zeros
-        shift = x.detach()[(0, slice(None)) + (0,) * (x.dim() - 2)].to(self.acc)  # (C,)
-        var, mean = torch.var_mean(x.detach().to(self.acc) - per_channel(shift, x), dims, correction=0)
-        return count, shift.double() + mean.double(), var.double()
+        try:
+            mean, var = host_moments(x, self.acc, self.guess)
+        except Exception as e:  # noqa: BLE001 - e.g. out of memory: release the peers, raise it here
+            self.fail(f"{type(e).__name__}: {e}", e)
+        return np.array([x.numel() // x.shape[1]], dtype=np.float64), mean, var
 
     def prepare(self, mean: Any, var: Any) -> Stats:
         invstd = self.xp.rsqrt(var + self.eps)
@@ -122,11 +131,12 @@ class DeviceKernels:
         return torch.batch_norm(x, w, b, stats.mean, stats.var, False, 0.0, self.eps, torch.backends.cudnn.enabled)
 
     def grad_sums(self, dy: Tensor, x: Tensor, stats: Stats, scale: Any) -> tuple:
-        if x.numel() == 0:  # zeros from dy: with constants AOTAutograd would move the collective forward
+        if x.numel() == 0:
             sum_dy_xhat = sum_dy = dy.to(stats.mean.dtype).sum(reduced_dims(x))
-        else:
+        else:  # with a γ of ones: CUDA's kernel takes no None (CPU's does)
             _, sum_dy_xhat, sum_dy = torch.ops.aten.native_batch_norm_backward(
-                dy, x, None, None, None, stats.mean, stats.invstd, True, self.eps, [False, True, True])
+                dy, x, torch.ones_like(stats.mean), None, None, stats.mean, stats.invstd, True, self.eps,
+                [False, True, True])
         return self.wide(sum_dy), self.wide(sum_dy_xhat), None
 
     def input_grad(self, dy: Tensor, x: Tensor, stats: Stats, coeffs: tuple, kept: Any) -> Tensor:
@@ -135,47 +145,6 @@ class DeviceKernels:
         dx = torch.batch_norm(x, self.vector(s, dtype), self.vector(t, dtype), stats.mean, stats.var, False, 0.0,
                               self.eps, torch.backends.cudnn.enabled)
         return dx.addcmul_(dy, per_channel(self.vector(k, dtype).to(x.dtype), x))  # in place: no second buffer
-
-
-_NUMPY = {torch.float32: np.float32, torch.float64: np.float64}
-_CENTRED_FROM = 1 << 15  # values; below, the native statistics kernel is as fast on CPU
-
-
-def host(t: Tensor) -> np.ndarray:
-    """A per-channel tensor as a numpy array: zero-copy for float32/float64 on the CPU,
-    other dtypes (a model cast to bfloat16 or float16) as float32."""
-    t = t.detach()
-    return (t if t.dtype in _NUMPY else t.float()).cpu().numpy()
-
-
-class HostKernels(DeviceKernels):
-    """:class:`DeviceKernels` with the per-channel vectors in numpy float64 on the host.
-
-    ``guess``: a guess of the batch mean (the layer's previous global mean) to centre
-    the data on; ``fail(problem, cause)``: how a failure of the local pass ends every
-    rank's step (joining the collective the peers wait in)."""
-
-    xp = backend.NUMPY_OPS
-
-    def __init__(self, eps: float, acc: torch.dtype, device: torch.device, guess: Optional[Tensor],
-                 fail: Callable[[str, BaseException], None]) -> None:
-        super().__init__(eps, acc)
-        self.device, self.guess, self.fail = device, guess, fail
-
-    def vector(self, v: Any, dtype: torch.dtype) -> Tensor:
-        if dtype in _NUMPY:
-            return torch.from_numpy(np.asarray(v, dtype=_NUMPY[dtype])).to(self.device)
-        return torch.from_numpy(np.asarray(v, dtype=np.float64)).to(self.device, dtype)
-
-    def wide(self, t: Tensor) -> Any:
-        return host(t).astype(np.float64)
-
-    def moments(self, x: Tensor) -> tuple:
-        try:
-            mean, var = host_moments(x, self.acc, self.guess)
-        except Exception as e:  # noqa: BLE001 - e.g. out of memory: release the peers, raise it here
-            self.fail(f"{type(e).__name__}: {e}", e)
-        return np.array([x.numel() // x.shape[1]], dtype=np.float64), mean, var
 
 
 def host_moments(x: Tensor, acc: torch.dtype, shift: Optional[Tensor] = None) -> tuple:

@@ -9,8 +9,9 @@
   (``device_buffers``), else through one copy into pinned host memory.
 - :class:`GroupReducer`: the device path over ``torch.distributed``: a functional
   collective on the group (NCCL for CUDA tensors, Gloo on the CPU), which Dynamo traces.
-  Its header is static (no step); on a mismatch the summed buffer is NaN, which the
-  device checks report (:mod:`hvd_syncbn.torch.deferred`).
+  Its header is static (no step), in the buffer the device path builds and checks
+  (:mod:`hvd_syncbn.torch.device`); a mismatch makes the step's output NaN and sets a
+  flag that :func:`~hvd_syncbn.torch.check` raises.
 
 Each can also ``fail(problem)``: end every rank's step with ``problem`` (joining the
 forward collective the peers wait in, where the transport has a diagnosis).
@@ -18,19 +19,24 @@ forward collective the peers wait in, where the transport has a diagnosis).
 
 from __future__ import annotations
 
-from typing import List, NamedTuple, Optional
+import functools
+from typing import List, NamedTuple, Optional, Tuple
 
 import torch
 import torch.distributed._functional_collectives as funcol
 from torch import Tensor
 
 from hvd_syncbn.comm import (
-    Call, Communicator, HEADER, Join, SyncBatchNormInputError, allreduce, compile_timeout, get_timeout, make_call, poison, prepend,
+    Call, Communicator, Join, SyncBatchNormInputError, allreduce, compile_timeout, get_timeout, make_call, poison, prepend,
     static_header,
 )
 
-# A constant to Dynamo, which cannot trace the header's crc32.
-_traced_header = torch.compiler.assume_constant_result(static_header)
+def _header(layer: str, direction: str, channels: int, ndim: int, dtype: str, world: int) -> Tuple[float, ...]:
+    return tuple(static_header(layer, direction, channels, ndim, dtype, world))
+
+
+_known_header = functools.lru_cache(maxsize=None)(_header)  # eager: each step asks
+_traced_header = torch.compiler.assume_constant_result(_header)  # Dynamo cannot trace the crc32
 
 
 class Identity(NamedTuple):
@@ -130,7 +136,12 @@ class OpReducer(HostReducer):
 
     def __init__(self, comm: Communicator, identity: Identity, device: torch.device) -> None:
         super().__init__(comm, identity)
-        self.index, self.device = comm_index(comm), device
+        self.index, self.device, self.size = comm_index(comm), device, comm.size
+
+    @staticmethod
+    def head(direction: str) -> Tuple[float, ...]:
+        """Nothing: the op puts the step-counted header in front on the host and checks it there."""
+        return ()
 
     def __call__(self, buf: Tensor, direction: str) -> Tensor:
         return _allreduce(buf, self.index, self.identity.layer, direction, *self.identity[1:])
@@ -143,18 +154,20 @@ class OpReducer(HostReducer):
 
 @torch.compiler.assume_constant_result
 class GroupReducer:
-    """Device tensors over a ``torch.distributed`` group, by a functional collective; a
-    summed header that does not match makes the whole buffer NaN."""
+    """Device tensors over a ``torch.distributed`` group, by a functional collective. The
+    identity header travels in the buffer and is checked on the device
+    (:mod:`hvd_syncbn.torch.device`): :meth:`head` is what to put in front."""
 
     def __init__(self, comm: Communicator, identity: Identity) -> None:
-        self.comm, self.identity = comm, identity
+        self.comm, self.identity, self.size = comm, identity, comm.size
+
+    def head(self, direction: str) -> Tuple[float, ...]:
+        """The static header of ``direction``'s collective (no step: it is traced once)."""
+        header = _traced_header if torch.compiler.is_compiling() else _known_header
+        return header(*self.identity[:1], direction, *self.identity[1:], self.size)
 
     def __call__(self, buf: Tensor, direction: str) -> Tensor:
-        layer, channels, ndim, dtype = self.identity
-        head = _traced_header(layer, direction, channels, ndim, dtype, self.comm.size)
-        out = funcol.wait_tensor(funcol.all_reduce(torch.cat([buf.new_tensor(head), buf]), "sum", self.comm.group))
-        mixed = (out[0] != self.comm.size * head[0]) | (out[1] != self.comm.size * head[1])
-        return torch.where(mixed, torch.nan, out[HEADER:])
+        return funcol.wait_tensor(funcol.all_reduce(buf, "sum", self.comm.group))
 
     def fail(self, problem: str, error: type = ValueError, cause: Optional[BaseException] = None) -> None:
         """No diagnosis crosses a functional collective: raise here; peers time out."""

@@ -9,6 +9,8 @@ are one rank's, which is what these tests need (the sums are tested across real 
 
 from __future__ import annotations
 
+import tempfile
+
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -78,6 +80,102 @@ def cnn(stats: str) -> nn.Module:
     return model
 
 
+BUDGET = 40
+"""aten ops a layer step (forward, backward, running update and flags) may dispatch
+besides its two collectives and views: each is a kernel launch on a GPU, where
+``nn.BatchNorm2d`` launches about 7 and torch's SyncBatchNorm about 10 (issue #46)."""
+
+
+class Dispatched(TorchDispatchMode):
+    """Records every aten op dispatched while active."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(func)
+        return func(*args, **(kwargs or {}))
+
+
+def step_ops(layer: nn.Module, x) -> list:
+    """The ops of one training step of ``layer`` on ``x`` (forward, backward into fresh
+    gradients), after a first step that makes the layer's constants."""
+    dy = torch.randn_like(x)
+    layer(x).backward(dy)
+    x.grad = None
+    layer.zero_grad(set_to_none=True)
+    with Dispatched() as seen:
+        layer(x).backward(dy)
+    return seen.ops
+
+
+@pytest.mark.parametrize("dtype, kwargs", [(torch.float32, {}), (torch.bfloat16, {}),
+                                           (torch.float32, dict(affine=False)), (torch.float32, dict(momentum=None))],
+                         ids=["float32", "bfloat16", "no-affine", "cumulative"])
+def test_device_step_dispatches_at_most_the_budget(fake_world, dtype, kwargs):
+    """A device-path layer step over a ``torch.distributed`` group dispatches its two
+    collectives (all_reduce + wait, forward and backward) and at most :data:`BUDGET`
+    other ops, views not counted (106 before issue #46). Plain BN's step, counted the
+    same way, for contrast: the counter sees its native kernels."""
+    x = torch.randn(4, 8, 5, 5, dtype=dtype, requires_grad=True)
+    ops = step_ops(SyncBatchNorm(8, stats="device", **kwargs), x)
+    collectives = [f.__name__ for f in ops if f.namespace == "_c10d_functional"]  # with their autograd wrapping
+    counted = [str(f) for f in ops if not f.is_view and f.namespace != "_c10d_functional"]
+    assert [c for c in collectives if c != "_wrap_tensor_autograd.default"] == ["all_reduce.default",
+                                                                                "wait_tensor.default"] * 2, collectives
+    assert len(counted) <= BUDGET, f"{len(counted)} ops > {BUDGET}: {counted}"
+    plain = [str(f) for f in step_ops(nn.BatchNorm2d(8), x) if not f.is_view]
+    assert {"aten.native_batch_norm.default", "aten.native_batch_norm_backward.default"} <= set(plain), plain
+
+
+@pytest.fixture
+def made_from_data(monkeypatch):
+    """A list that fills with every tensor made from Python or numpy data while the test
+    runs (on a GPU a copy from pageable host memory: a sync, and a failed graph capture)."""
+    log: list = []
+    for owner, name in ((torch, "tensor"), (torch, "as_tensor"), (torch, "from_numpy"), (torch.Tensor, "new_tensor")):
+        real = getattr(owner, name)
+
+        def wrapped(*args, _real=real, _name=name, **kwargs):
+            log.append(_name)
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(owner, name, wrapped)
+    return log
+
+
+@pytest.mark.parametrize("rows", [3, 0])
+def test_device_step_makes_no_tensor_from_data(fake_world, made_from_data, rows):
+    """After a layer's first step (which makes its constants), a training step of a
+    converted model makes no tensor from Python or numpy data; the host path, for
+    contrast, does (its statistics cross as numpy), so the count can fail."""
+    counts = {}
+    for stats in ("device", "host"):
+        model = cnn(stats)
+        for m in model.modules():
+            if isinstance(m, SyncBatchNorm) and stats == "host":
+                m.comm = transport.LocalCommunicator(2)
+        x = torch.randn(rows, 3, 6, 6, requires_grad=True)
+        model(x).square().sum().backward()
+        made_from_data.clear()
+        model(x).square().sum().backward()
+        counts[stats] = list(made_from_data)
+    assert counts["device"] == [], f"tensors made from data on the device path: {counts['device']}"
+    assert len(counts["host"]) > 0, "the wrapper saw no tensor made from data on the host path"
+
+
+def test_device_step_runs_on_the_meta_device(fake_world):
+    """A training step of a converted model on ``meta`` tensors (no data; any CPU tensor
+    mixed in fails), with the layers' running update: shapes and dtypes as plain BN's."""
+    model = cnn("device").to("meta")
+    x = torch.randn(3, 3, 6, 6, device="meta", requires_grad=True)
+    y = model(x)
+    y.sum().backward()
+    assert y.device.type == "meta" and y.shape == (3, 5, 6, 6) and x.grad.shape == x.shape
+    assert model[1].running_mean.device.type == "meta" and model[1].weight.grad.shape == (4,)
+
+
 @pytest.mark.parametrize("rows", [3, 0])
 def test_device_path_makes_no_host_read_in_forward_and_backward(fake_world, host_reads, rows):
     """Zero host reads on the device path (an empty rank included); the host path (over
@@ -144,6 +242,50 @@ def test_deferred_errors_are_raised_by_check_and_on_mode_switch():
 
     with collective_timeout(10.0):
         assert results(run(2, rank)) == [True, True]
+
+
+@pytest.mark.parametrize("kwargs", [{}, dict(affine=False), dict(momentum=None)], ids=["affine", "no-affine",
+                                                                                     "cumulative"])
+@pytest.mark.parametrize("shape", [(6, 4, 5, 5), (7, 4), (5, 4, 3, 2, 2)], ids=["2d", "1d", "3d"])
+def test_functional_collective_path_equals_plain_bn(kwargs, shape):
+    """The device path over a real ``torch.distributed`` group of 1 (Gloo; the layer is
+    given its communicator, as alone it would be plain BN): its functional collectives
+    carry and check the header, and 3 training steps at an offset of 100 equal float64
+    plain BN on the same batch (outputs, input and parameter gradients, running
+    statistics) as closely as float32 BN does."""
+    from hvd_syncbn.torch.transports import TorchDistComm
+
+    with tempfile.TemporaryDirectory() as tmp:
+        dist.init_process_group("gloo", init_method=f"file://{tmp}/pg", rank=0, world_size=1)
+        try:
+            comm = TorchDistComm(None)
+            torch.manual_seed(0)
+            plain = {1: nn.BatchNorm1d, 2: nn.BatchNorm1d, 3: nn.BatchNorm2d, 4: nn.BatchNorm3d}[len(shape) - 1](
+                shape[1], **kwargs).double()
+            layer = SyncBatchNorm(shape[1], stats="device", **kwargs)
+            layer._comm = lambda nccl=False: comm
+            if layer.affine:
+                with torch.no_grad():
+                    for m in (plain, layer):
+                        m.weight.copy_(torch.linspace(0.5, 1.5, shape[1]))
+                        m.bias.copy_(torch.linspace(-0.3, 0.3, shape[1]))
+            for step in range(3):
+                x = (torch.randn(shape, dtype=torch.float64) * 2 + 100).requires_grad_()
+                x32 = x.detach().float().requires_grad_()
+                y, y32 = plain(x), layer(x32)
+                dy = torch.randn_like(y)
+                y.backward(dy)
+                y32.backward(dy.float())
+                torch.testing.assert_close(y32.double(), y.detach(), rtol=1e-4, atol=1e-4)
+                torch.testing.assert_close(x32.grad.double(), x.grad, rtol=1e-4, atol=1e-4)
+                for name, p in plain.named_parameters():
+                    torch.testing.assert_close(getattr(layer, name).grad.double(), p.grad, rtol=1e-4, atol=1e-3)
+                for name in ("running_mean", "running_var"):
+                    torch.testing.assert_close(getattr(layer, name).double(), getattr(plain, name), rtol=1e-5, atol=1e-5)
+                assert layer.num_batches_tracked.item() == plain.num_batches_tracked.item() == step + 1
+                check(layer)
+        finally:
+            dist.destroy_process_group()
 
 
 def test_header_mismatch_poisons_the_output_and_raises_at_check(fake_world):

@@ -1,0 +1,175 @@
+"""The device path of :class:`~hvd_syncbn.torch.SyncBatchNorm`: the steps of
+:mod:`hvd_syncbn.backend` as a few fused torch ops on the input's device.
+
+On a GPU every op is a kernel launch, so this path spends ops as it spends collectives:
+no host read, no tensor made from Python data after a layer's first step (the identity
+header, its expected sum and the ones of a layer without ``γ`` are made once, by fills,
+and reused), and about 37 dispatched ops per layer step besides the two collectives
+(``tests/unit/test_device.py`` holds it to 40; ``nn.BatchNorm2d`` takes 7).
+
+The forward's buffer, float64, one per layer and step::
+
+    [shift (C) | header (H) | −n | −n·mean | −n·(var + mean²)]
+                '--------- summed over the ranks ------------'
+
+- ``shift``: one row of ``x`` per channel; the moments of ``x − shift`` in the
+  accumulation dtype, the shift added back in float64, keep the variance accurate at
+  large offsets (the backend's buffer, :func:`~hvd_syncbn.backend.pack_moments`, by sign).
+- the header (``H = 2``, :func:`hvd_syncbn.comm.header`) where the reducer checks it on
+  the device (:class:`~hvd_syncbn.torch.reducers.GroupReducer`); ``H = 0`` where the
+  custom op checks it on the host (:class:`~hvd_syncbn.torch.reducers.OpReducer`).
+- the negative count makes ``sum / count`` the global moments and ``k / count`` the
+  gradient's ``−k/N`` without a negation; ``count`` is clamped at ``−1`` (an empty global
+  batch divides by 1) and NaN after a header mismatch, which makes the output NaN and
+  leaves the running statistics alone.
+
+The backward's buffer is ``[header (H) | Σdy | Σdy·x̂]``; ``dx = k·dy + s·x̂ + t`` as in
+:func:`~hvd_syncbn.backend.input_grad_coeffs`, with ``s·x̂ + t`` by the native inference
+kernel. Flags (header mismatch per header value, a global batch of one row, non-finite
+statistics with ``check_finite``) go to :mod:`hvd_syncbn.torch.deferred`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, NamedTuple, Optional, Tuple
+
+import torch
+from torch import Tensor
+from torch.autograd.function import once_differentiable
+
+from hvd_syncbn.torch.kernels import per_channel, reduced_dims
+
+NAN = float("nan")
+_cache: Dict[Any, Tensor] = {}
+
+
+def cached(key: Any, make: Callable[[], Tensor]) -> Tensor:
+    """A constant tensor, made by ``make`` once per process and ``key`` and reused by
+    every later step; under ``torch.compile`` made in the graph (a constant there), and
+    under a ``FakeTensorMode`` (shape propagation) made fake, each time."""
+    if torch.compiler.is_compiling() or torch._guards.detect_fake_mode() is not None:
+        return make()
+    found = _cache.get(key)
+    if found is None:
+        with torch.inference_mode(False):  # usable by later steps outside inference mode
+            found = _cache[key] = make()
+    return found
+
+
+def constant(values: Tuple[float, ...], device: torch.device) -> Tensor:
+    """``values`` as a float64 tensor on ``device``, by fills (no copy from host memory)."""
+
+    def make() -> Tensor:
+        t = torch.empty(len(values), dtype=torch.float64, device=device)
+        for i, v in enumerate(values):
+            t[i] = v
+        return t
+
+    return cached(("values", values, device), make)
+
+
+def seeds(reduce: Any, direction: str, device: torch.device) -> Tuple[Tensor, Tensor]:
+    """The head of ``direction``'s buffer (the header, then the count's 1 forward) and
+    what the ranks' sum of it must be (the header times the world size, then ``−1``: a
+    global batch of one row)."""
+    head = reduce.head(direction)
+    expected = tuple(reduce.size * h for h in head)
+    if direction == "fwd":
+        head, expected = head + (1.0,), expected + (-1.0,)
+    return constant(head, device), constant(expected, device)
+
+
+def ones(channels: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """``γ`` of a layer without one: the native backward kernels take no ``None`` on CUDA."""
+    return cached(("ones", channels, dtype, device), lambda: torch.ones(channels, dtype=dtype, device=device))
+
+
+def local_buffer(x: Tensor, seed: Tensor, acc: torch.dtype) -> Tensor:
+    """``[shift | seed | −n | −n·mean | −n·(var + mean²)]`` of this rank's ``x`` (the seed's
+    last value, 1, becomes ``−n``), float64."""
+    channels, rows = x.shape[1], x.numel() // x.shape[1]
+    if rows == 0:  # zeros that depend on x, so that a compiler keeps the collective after the data
+        shift = mean = var = x.sum(reduced_dims(x))
+    else:
+        shift = x[(0, slice(None)) + (0,) * (x.dim() - 2)]  # (C,)
+        shift = shift if shift.dtype == acc else shift.to(acc)
+        var, mean = torch.var_mean(x - per_channel(shift, x), reduced_dims(x), correction=0)
+    buf = torch.cat([shift, seed, mean, var])  # float64: the seed's dtype
+    moments = buf[channels + seed.numel():].view(2, channels)
+    moments[0].add_(buf[:channels])  # mean
+    moments[1].addcmul_(moments[0], moments[0])  # var + mean²
+    buf[channels + seed.numel() - 1:].mul_(-rows)
+    return buf
+
+
+def normalize(x: Tensor, scale: Optional[Tensor], offset: Optional[Tensor], mean: Tensor, var: Tensor,
+              eps: float) -> Tensor:
+    """``scale·(x − mean)/√(var + ε) + offset`` by the native inference kernel (one op)."""
+    return torch.ops.aten._native_batch_norm_legit_no_training(x, scale, offset, mean, var, 0.0, eps)[0]
+
+
+class Plan(NamedTuple):
+    """What a device-path call needs besides tensors: the summing ``reduce`` (with its
+    ``head(direction)`` and ``size``), ``eps``, the accumulation dtype and ``check_finite``."""
+
+    reduce: Any
+    eps: float
+    acc: torch.dtype
+    check_finite: bool
+
+
+class DeviceFunction(torch.autograd.Function):
+    """Normalise with global statistics, one allreduce each way. Returns ``y`` and, not
+    differentiable, the global ``(mean, biased var)`` as a ``(2, C)`` tensor in the
+    accumulation dtype, ``−max(N, 1)`` (NaN after a header mismatch) and the step's flags
+    (:func:`hvd_syncbn.torch.deferred.record`)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, plan: Plan):  # noqa: D401 - autograd API
+        ctx.set_materialize_grads(False)
+        seed, expected = seeds(plan.reduce, "fwd", x.device)
+        heads, channels = seed.numel() - 1, x.shape[1]
+        out = plan.reduce(local_buffer(x, seed, plan.acc)[channels:], "fwd")  # [W·header | −N | −Σx | −Σx²]
+        flags = torch.ne(out[:heads + 1], expected)  # [header mismatch (H), N != 1]
+        count = out[heads:heads + 1]
+        nan = constant((NAN,), x.device)
+        count = (torch.where(flags[:heads].any(), nan, count) if heads else count).clamp_max(-1.0)
+        moments = out[heads + 1:].view(2, channels) / count  # [mean, E[x²]]
+        moments[1].addcmul_(moments[0], moments[0], value=-1.0).clamp_min_(0.0)  # biased var
+        flags[heads:].logical_not_()  # N == 1: a global batch of one row
+        if plan.check_finite:
+            flags = torch.cat([flags, torch.isfinite(moments).all().logical_not().view(1)])
+        stats = moments.to(plan.acc)
+        y = normalize(x, *(p if p is None else p.to(plan.acc) for p in (weight, bias)), stats[0], stats[1], plan.eps)
+        ctx.save_for_backward(x, weight, stats, count)
+        ctx.plan = plan
+        ctx.mark_non_differentiable(stats, count, flags)
+        return y, stats, count, flags
+
+    @staticmethod
+    @once_differentiable  # the sums are taken outside autograd: a second derivative would be silently wrong
+    def backward(ctx, dy, *_):
+        x, weight, stats, count = ctx.saved_tensors
+        plan, channels = ctx.plan, x.shape[1]
+        dy = torch.zeros_like(x) if dy is None else dy
+        mean, var = stats[0], stats[1]
+        invstd = torch.rsqrt(var + plan.eps)
+        gamma = ones(channels, plan.acc, x.device) if weight is None else weight.to(plan.acc)
+        if x.numel() == 0:  # zeros from dy (the CPU kernel divides by the rows); constants would let a compiler
+            sum_dy_xhat = sum_dy = dy.sum(reduced_dims(x), dtype=plan.acc)  # move the collective before the data
+        else:
+            _, sum_dy_xhat, sum_dy = torch.ops.aten.native_batch_norm_backward(
+                dy, x, gamma, None, None, mean, invstd, True, plan.eps, [False, True, True])
+        grads = [s.to(weight.dtype) if weight is not None and need else None
+                 for s, need in ((sum_dy_xhat, ctx.needs_input_grad[1]), (sum_dy, ctx.needs_input_grad[2]))]
+        if not ctx.needs_input_grad[0]:
+            return None, *grads, None
+        seed, expected = seeds(plan.reduce, "bwd", x.device)
+        heads = seed.numel()
+        out = plan.reduce(torch.cat([seed, sum_dy, sum_dy_xhat]), "bwd")  # [W·header | ΣΣdy | ΣΣdy·x̂]
+        nan = constant((NAN,), x.device)
+        count = torch.where(torch.ne(out[:heads], expected), nan, count) if heads else count  # (H or 1,)
+        k = invstd if weight is None else invstd * gamma
+        coeffs = (out[heads:].view(2, channels) * (k / count.view(-1, 1))).to(plan.acc)  # [t, s] = −k·[Σdy, Σdy·x̂]/N
+        dx = normalize(x, coeffs[1], coeffs[0], mean, var, plan.eps)  # s·x̂ + t
+        return dx.addcmul_(dy, per_channel(k.to(dx.dtype), x)), *grads, None
