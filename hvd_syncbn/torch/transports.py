@@ -156,9 +156,11 @@ class HorovodTorchTransport(HorovodTransport):
 REGISTRY = Registry("PyTorch", TorchTransport(), MpiTransport(), HorovodTorchTransport())
 
 
-def private_comm(over: Communicator) -> PrivateGroupComm:
-    """The private group over ``over``, built on first use, once per communicator."""
-    return REGISTRY.cached(("private", id(over)), lambda: PrivateGroupComm(over))
+def private_comm(over: Communicator, why: str) -> PrivateGroupComm:
+    """The private group over ``over``, built on first use, once per communicator
+    (``why``: for the log line that names the transport)."""
+    return REGISTRY.cached(("private", id(over)), lambda: PrivateGroupComm(over),
+                           f"{why}: a torch.distributed group of its own, bootstrapped over {over.kind}")
 
 
 def _private_over_auto(request: Request, registry: Registry) -> Communicator:
@@ -172,7 +174,7 @@ def _private_over_auto(request: Request, registry: Registry) -> Communicator:
             f"{request.layer}: comm='torch' needs torch.distributed.init_process_group() first, or a job started "
             f"by mpirun (with mpi4py) or horovodrun (after hvd.init()) to build a private group over ({why})")
     over = registry.resolve("auto", request)
-    return LocalCommunicator(size=1) if over is None else private_comm(over)
+    return LocalCommunicator(size=1) if over is None else private_comm(over, "comm='torch' with no process group")
 
 
 _resolved: dict = {}
@@ -206,7 +208,7 @@ def resolve(kind: Any, process_set: Any, layer: str, nccl: bool = False) -> Opti
         comm = REGISTRY.resolve(kind, _request(process_set, layer, hvd_on))
         if nccl and comm is not None and comm.kind in ("mpi", "horovod") and dist.is_nccl_available() \
                 and private_group.enabled() and requested_kind(kind) == "auto":
-            comm = private_comm(comm)
+            comm = private_comm(comm, "CUDA tensors on the device path")
         _resolved[state] = comm
     return _resolved[state]
 

@@ -101,3 +101,13 @@ def test_ranks_in_different_layers_get_one_diagnosis_on_every_rank():
         assert isinstance(e, transport.SyncBatchNormError), e
         assert "ranks [0] are waiting in layer 'a' forward" in str(e), e
         assert "ranks [1] are waiting in layer 'b' forward" in str(e), e
+
+
+def test_the_transport_line_says_why_a_private_group(monkeypatch, caplog):
+    """The log line naming the transport gives the private group's reason (it was empty:
+    "statistics travel over private (; ranks started by ...")."""
+    monkeypatch.setattr(torch_transports.REGISTRY, "built", {})  # this process's first communicator
+    with caplog.at_level("WARNING", logger="hvd_syncbn"), collective_timeout(30):
+        results(run(1, lambda rank, over: torch_transports.private_comm(over, "CUDA tensors on the device path")))
+    assert "statistics travel over private (CUDA tensors on the device path: a torch.distributed group of its " \
+           "own, bootstrapped over " in caplog.text, caplog.text
