@@ -276,8 +276,8 @@ class SyncBatchNorm(_BatchNorm):
                 updated = count < -1.0  # 2+ rows, matching headers (a NaN count compares false)
                 if self.check_finite:
                     updated &= ~flags[-1]
-                self._running_update(stats[0], torch.addcdiv(stats[1], stats[1], count[0] + 1.0, value=-1.0),
-                                     updated)  # var·N/(N−1)
+                mean, var = stats.unbind()
+                self._running_update(mean, torch.addcdiv(var, var, count[0] + 1.0, value=-1.0), updated)  # var·N/(N−1)
         return y
 
     def _running_update(self, mean: Tensor, var: Tensor, updated: Tensor) -> None:

@@ -95,9 +95,9 @@ def local_buffer(x: Tensor, seed: Tensor, acc: torch.dtype) -> Tensor:
         shift = shift if shift.dtype == acc else shift.to(acc)
         var, mean = torch.var_mean(x - per_channel(shift, x), reduced_dims(x), correction=0)
     buf = torch.cat([shift, seed, mean, var])  # float64: the seed's dtype
-    moments = buf[channels + seed.numel():].view(2, channels)
-    moments[0].add_(buf[:channels])  # mean
-    moments[1].addcmul_(moments[0], moments[0])  # var + mean²
+    mean, square = buf[channels + seed.numel():].view(2, channels).unbind()
+    mean.add_(buf[:channels])  # the shift added back
+    square.addcmul_(mean, mean)  # var + mean²
     buf[channels + seed.numel() - 1:].mul_(-rows)
     return buf
 
@@ -135,12 +135,13 @@ class DeviceFunction(torch.autograd.Function):
         nan = constant((NAN,), x.device)
         count = (torch.where(flags[:heads].any(), nan, count) if heads else count).clamp_max(-1.0)
         moments = out[heads + 1:].view(2, channels) / count  # [mean, E[x²]]
-        moments[1].addcmul_(moments[0], moments[0], value=-1.0).clamp_min_(0.0)  # biased var
+        mean, square = moments.unbind()
+        square.addcmul_(mean, mean, value=-1.0).clamp_min_(0.0)  # biased var
         flags[heads:].logical_not_()  # N == 1: a global batch of one row
         if plan.check_finite:
             flags = torch.cat([flags, torch.isfinite(moments).all().logical_not().view(1)])
         stats = moments.to(plan.acc)
-        y = normalize(x, *(p if p is None else p.to(plan.acc) for p in (weight, bias)), stats[0], stats[1], plan.eps)
+        y = normalize(x, *(p if p is None else p.to(plan.acc) for p in (weight, bias)), *stats.unbind(), plan.eps)
         ctx.save_for_backward(x, weight, stats, count)
         ctx.plan = plan
         ctx.mark_non_differentiable(stats, count, flags)
@@ -152,7 +153,7 @@ class DeviceFunction(torch.autograd.Function):
         x, weight, stats, count = ctx.saved_tensors
         plan, channels = ctx.plan, x.shape[1]
         dy = torch.zeros_like(x) if dy is None else dy
-        mean, var = stats[0], stats[1]
+        mean, var = stats.unbind()
         invstd = torch.rsqrt(var + plan.eps)
         gamma = ones(channels, plan.acc, x.device) if weight is None else weight.to(plan.acc)
         if x.numel() == 0:  # zeros from dy (the CPU kernel divides by the rows); constants would let a compiler
@@ -171,5 +172,6 @@ class DeviceFunction(torch.autograd.Function):
         count = torch.where(torch.ne(out[:heads], expected), nan, count) if heads else count  # (H or 1,)
         k = invstd if weight is None else invstd * gamma
         coeffs = (out[heads:].view(2, channels) * (k / count.view(-1, 1))).to(plan.acc)  # [t, s] = −k·[Σdy, Σdy·x̂]/N
-        dx = normalize(x, coeffs[1], coeffs[0], mean, var, plan.eps)  # s·x̂ + t
+        t, s = coeffs.unbind()
+        dx = normalize(x, s, t, mean, var, plan.eps)  # s·x̂ + t
         return dx.addcmul_(dy, per_channel(k.to(dx.dtype), x)), *grads, None
