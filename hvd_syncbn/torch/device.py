@@ -167,7 +167,9 @@ class DeviceFunction(torch.autograd.Function):
             return None, *grads, None
         seed, expected = seeds(plan.reduce, "bwd", x.device)
         heads = seed.numel()
-        out = plan.reduce(torch.cat([seed, sum_dy, sum_dy_xhat]), "bwd")  # [W·header | ΣΣdy | ΣΣdy·x̂]
+        # float64 by the header's dtype; with no header explicitly (inductor drops an empty tensor from a cat)
+        buf = torch.cat([seed, sum_dy, sum_dy_xhat]) if heads else torch.cat([sum_dy, sum_dy_xhat]).double()
+        out = plan.reduce(buf, "bwd")  # [W·header | ΣΣdy | ΣΣdy·x̂]
         nan = constant((NAN,), x.device)
         count = torch.where(torch.ne(out[:heads], expected), nan, count) if heads else count  # (H or 1,)
         k = invstd if weight is None else invstd * gamma

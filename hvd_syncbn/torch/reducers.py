@@ -93,6 +93,8 @@ def _allreduce(buf: Tensor, comm: int, layer: str, direction: str, channels: int
     """:func:`hvd_syncbn.comm.allreduce` of a float64 buffer over ``_comms[comm]``; the
     first call of each layer and direction waits :func:`hvd_syncbn.comm.compile_timeout`
     more, as a peer may still be compiling."""
+    if buf.dtype != torch.float64:  # what its fake returns must be what it returns
+        raise TypeError(f"hvd_syncbn::allreduce: expected a float64 buffer, got {buf.dtype}")
     c = _comms[comm]
     call = Identity(layer, channels, ndim, dtype).call(c, direction)
     timeout = get_timeout() + (compile_timeout() if call.step == 0 else 0.0)
