@@ -1,56 +1,81 @@
-"""GPU check of the PyTorch device path: one command, one table, under 8 minutes on one GPU.
+"""GPU check of the PyTorch device path: one command, one table, about 4 minutes (at most 6) on one GPU.
 
     python benchmarks/gpu_check.py             # a machine with a CUDA GPU (no Horovod needed)
     python benchmarks/gpu_check.py --dry-run   # any machine: the same plumbing on the CPU, tiny sizes
 
-Checks, each a row of the table:
+fairscale's SyncBN is a column where ``peers/fairscale`` is (git-ignored; how to fetch it:
+``peers/README``; a device run must carry ``peers``) or fairscale is installed; else 'n/a'.
 
-1. forward+backward per layer for the benchmark shapes, ours (device path over a 1-rank
-   ``torch.distributed`` group: NCCL on the GPU) against ``nn.BatchNorm2d``, float32 and
-   bfloat16 input;
-2. ``torch.cuda.set_sync_debug_mode("error")`` over 3 training steps of a converted
-   ResNet-50: no host sync;
-3. a CUDA-graph capture and replay of a training step, against the same step eager;
-4. 2 processes (sharing the GPU where there is one), against one process running plain
-   BN on the concatenated batch: over Gloo, and (where mpirun and mpi4py are) under
-   mpirun over the private group (NCCL, which needs a GPU per rank) and with the custom
-   op over MPI (staged through pinned host memory; as it is where MPI is CUDA-aware) and
-   over Horovod (where installed);
-5. the private group at 1 rank, bootstrapped over a singleton MPI, its NCCL carrying a
-   step, against plain BN (where 2 ranks cannot share a GPU over NCCL, its only check).
+Sections, most important first, each in a time box on the GPU (seconds; a section or
+item that would overrun is a 'skipped: time box' row, a failure a 'FAILED' row):
 
-The layers get the 1-rank group's communicator directly: alone, ``SyncBatchNorm`` would
-be plain BN and make no collective.
+1. per layer (45): forward+backward of one BN layer, 8 shapes x float32/bfloat16 input
+   (float32 parameters): cuDNN (``nn.BatchNorm2d``), torch's SyncBN Function, fairscale's
+   SyncBN and ours (``stats="device"``), all over the 1-rank NCCL group; goals ours <= 1.0x
+   torch, <= 0.6x fairscale, <= 1.5x cuDNN where the input is >= 25 MB;
+2. training steps (130): torchvision ResNet-50 (channels-first) and ResNet-18
+   (channels-last), batch 32 at 224, plain BN against converted, eager and
+   ``torch.compile(fullgraph=True)``: ms per step, first compiled step, peak memory; goals
+   ResNet-50 eager <= 1.5x plain, compiled ResNet-18 <= 1.15x plain compiled and its first
+   step <= 2x plain's;
+3. host syncs (15): ``torch.cuda.set_sync_debug_mode("error")`` over 3 steps of a
+   converted ResNet-50;
+4. CUDA graphs (40): capture + replay of an eager training step, and
+   ``torch.compile(mode="reduce-overhead")`` steps, against the same steps eager;
+5. correctness (25 + 60 + 15): 2 processes (sharing the GPU where there is one), against
+   one process running plain BN on the concatenated batch: over Gloo, and (where mpirun
+   and mpi4py are) under mpirun over the private group (NCCL, which needs a GPU per rank),
+   with the custom op over MPI (staged through pinned host memory; as it is where MPI is
+   CUDA-aware) and over Horovod (where installed); then the private group at 1 rank,
+   bootstrapped over a singleton MPI, its NCCL carrying a step, against plain BN.
+
+Timing: ``STEPS`` steps queued between two CUDA events after a synchronize, ms per step,
+median of ``REPEATS``, after warm-up; fewer steps (said in the row) where 5 repeats would
+pass an item's share of the box. Ratios are within this run. The dry run times 2 steps
+with ``time.perf_counter`` and compiles with ``aot_eager`` (inductor on 2 CPU cores takes
+minutes). The layers get the 1-rank group's communicator directly (``force``): alone,
+``SyncBatchNorm`` would be plain BN and make no collective.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
+import gc
 import importlib.util
+import inspect
+import math
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
+import warnings
 from pathlib import Path
 
 import torch
+import torch._dynamo
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.append(str(ROOT / "peers"))  # fairscale, where fetched (peers/README)
 from hvd_syncbn.torch import SyncBatchNorm, convert_sync_batchnorm  # noqa: E402
 from hvd_syncbn.torch.transports import TorchDistComm  # noqa: E402
 
-try:
-    from common import SHAPES
-except ImportError:  # run from elsewhere
-    from benchmarks.common import SHAPES
-
+# (N, C, H, W): ResNet-50 stages and a segmentation decoder at per-GPU batches, then at batch 32/64.
+SHAPES = [(8, 64, 56, 56), (2, 256, 64, 64), (8, 512, 28, 28), (4, 2048, 7, 7), (2, 64, 128, 128),
+          (32, 64, 112, 112), (32, 256, 56, 56), (64, 2048, 7, 7)]
+STEPS, REPEATS, WARMUP = 50, 5, 3
+BUDGET_S = {"per layer": 45, "training steps": 130, "host syncs": 15, "CUDA graphs": 40,
+            "2 processes, spawned": 25, "2 processes, mpirun": 60, "private group, 1 rank": 15}
+TOTAL_S = 330  # the sections' boxes end here on the GPU: 6 minutes with room for start-up and an overrun
 ROWS: list = []
+SECONDS: dict = {}  # per section, for the last line
 
 
 def row(check: str, setting: str, result: str) -> None:
@@ -64,48 +89,139 @@ def force(comm) -> None:
     SyncBatchNorm._comm = lambda self, nccl=False: comm
 
 
-def timed(fn, device, iters: int) -> float:
-    """Median ms of ``fn()``."""
-    times = []
-    for i in range(iters + 3):
-        if device.type == "cuda":
-            torch.cuda.synchronize()
+def sync(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def ms_per_step(step, device, at_most_s: float, steps: int = STEPS) -> tuple:
+    """(median ms per step, steps per repeat): ``REPEATS`` times ``steps`` calls of
+    ``step()`` between two events, after ``WARMUP`` calls; fewer steps where the repeats
+    would take more than ``at_most_s`` (from the last warm-up step)."""
+    for _ in range(WARMUP):
+        sync(device)
         start = time.perf_counter()
-        fn()
+        step()
+        sync(device)
+    one = time.perf_counter() - start
+    if at_most_s < math.inf:
+        steps = max(5, min(steps, int(at_most_s / (REPEATS * one))))
+    times = []
+    for _ in range(REPEATS):
+        sync(device)
         if device.type == "cuda":
-            torch.cuda.synchronize()
-        if i >= 3:
-            times.append(1e3 * (time.perf_counter() - start))
-    return sorted(times)[len(times) // 2]
+            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            begin.record()
+            for _ in range(steps):
+                step()
+            end.record()
+            end.synchronize()
+            times.append(begin.elapsed_time(end) / steps)
+        else:
+            start = time.perf_counter()
+            for _ in range(steps):
+                step()
+            times.append(1e3 * (time.perf_counter() - start) / steps)
+    return statistics.median(times), steps
 
 
-def per_layer(device, shapes, iters: int) -> None:
-    for shape in shapes:
+def goal(ratio: float, limit: float) -> str:
+    return f"{ratio:.2f}x ({'met' if ratio <= limit else 'NOT met'}: <= {limit}x)"
+
+
+def fairscale_class():
+    """fairscale's ``SyncBatchNorm`` class, or the reason there is none."""
+    try:
+        with warnings.catch_warnings():  # its other modules warn about deprecated torch APIs
+            warnings.simplefilter("ignore")
+            from fairscale.experimental.nn.sync_batchnorm import SyncBatchNorm as FairscaleBatchNorm
+        return FairscaleBatchNorm, ""
+    except Exception as e:  # noqa: BLE001 - a column that says why
+        return None, f"n/a ({type(e).__name__}: {str(e)[:40]})"
+
+
+def torch_syncbn(channels: int):
+    """A layer calling torch's SyncBN Function at world size 1 over the default group
+    (``nn.SyncBatchNorm`` alone runs plain BN), its arguments passed by name: the
+    Function's signature changes across torch versions."""
+    from torch.nn.modules._functions import SyncBatchNorm as Function
+
+    bn = nn.BatchNorm2d(channels)
+    names = list(inspect.signature(Function.forward).parameters)[1:]  # after ctx
+    given = dict(momentum=bn.momentum, process_group=dist.group.WORLD, world_size=1)
+    unknown = set(names) - set(given) - {"input", "weight", "bias", "running_mean", "running_var", "eps"}
+    if unknown:
+        raise TypeError(f"torch's SyncBatchNorm Function takes {sorted(unknown)}, not known here")
+    # the layer's own attributes at each call: .to(device) replaces its buffers
+    bn.forward = lambda x: Function.apply(*(x if n == "input" else given[n] if n in given else getattr(bn, n)
+                                            for n in names))
+    return bn
+
+
+def per_layer(device, shapes, until: float) -> None:
+    cuda = device.type == "cuda"
+    fairscale, no_fairscale = fairscale_class()
+    warnings.filterwarnings("ignore", "non-inplace resize_as is deprecated")  # fairscale's backward, every call
+    for n, shape in enumerate(shapes):
         for dtype in (torch.float32, torch.bfloat16):
+            mb = math.prod(shape) * (4 if dtype == torch.float32 else 2) / 1e6
+            setting = f"{tuple(shape)} {str(dtype)[6:]}, {mb:.1f} MB"
+            if time.time() > until:
+                row("fwd+bwd per layer", setting, "skipped: time box")
+                continue
+            share = (until - time.time()) / (2 * (len(shapes) - n)) / 4  # of the box left, per column
             x = torch.randn(shape, device=device, dtype=dtype, requires_grad=True)
             dy = torch.randn_like(x)
-            ms = {}
-            for name, layer in (("plain", nn.BatchNorm2d(shape[1])), ("ours", SyncBatchNorm(shape[1], stats="device"))):
-                layer = layer.to(device)
+            makers = {"ours": lambda c: SyncBatchNorm(c, stats="device"),
+                      "torch": torch_syncbn if cuda else "n/a (CUDA only)",
+                      "fairscale": fairscale or no_fairscale, "cuDNN": nn.BatchNorm2d}
+            ms, cells, fewer = {}, [], set()
+            for name, make in makers.items():
+                if isinstance(make, str):
+                    cells.append(f"{name} {make}")
+                    continue
+                try:
+                    layer = make(shape[1]).to(device)
+                    args = (x, layer.weight, layer.bias)
+                    grad = dy.to(layer(x).dtype)  # fairscale's output is float32 for bfloat16 input
 
-                def step(layer=layer):
-                    layer(x).backward(dy)
+                    def step(layer=layer, args=args, grad=grad):
+                        torch.autograd.grad(layer(args[0]), args, grad)
 
-                ms[name] = timed(step, device, iters)
-            row("fwd+bwd per layer", f"{tuple(shape)} {str(dtype)[6:]}",
-                f"{ms['ours']:.3f} ms vs BN {ms['plain']:.3f} ms ({ms['ours'] / ms['plain']:.2f}x)")
+                    ms[name], steps = ms_per_step(step, device, share if cuda else math.inf, STEPS if cuda else 2)
+                    cells.append(f"{name} {ms[name]:.3f}")
+                    if cuda and steps < STEPS:
+                        fewer.add(steps)
+                except Exception as e:  # noqa: BLE001 - a cell that says why
+                    ms.pop(name, None)
+                    cells.append(f"{name} FAILED ({type(e).__name__}: {str(e).splitlines()[0][:40]})")
+            ours = ms.get("ours", math.nan)
+            ratios = [f"ours/torch {goal(ours / ms['torch'], 1.0)}" if "torch" in ms else "",
+                      f"ours/fairscale {goal(ours / ms['fairscale'], 0.6)}" if "fairscale" in ms else "",
+                      f"ours/cuDNN {goal(ours / ms['cuDNN'], 1.5)}" if mb >= 25 and "cuDNN" in ms else
+                      f"ours/cuDNN {ours / ms['cuDNN']:.2f}x" if "cuDNN" in ms else ""]
+            note = f" ({min(fewer)} steps/repeat)" if fewer else ""
+            row("fwd+bwd per layer", setting, f"{', '.join(cells)} ms{note}; {', '.join(r for r in ratios if r)}")
 
 
-def resnet50() -> nn.Module:
+@functools.lru_cache(maxsize=None)
+def torchvision_models():
     try:
         import torchvision
 
-        return torchvision.models.resnet50(weights=None)
-    except Exception:  # noqa: BLE001 - no (working) torchvision: a stand-in with the same layer types
-        blocks = [nn.Conv2d(3, 64, 7, 2, 3), nn.BatchNorm2d(64), nn.ReLU()]
-        for c_in, c_out in ((64, 256), (256, 512), (512, 1024), (1024, 2048)):
-            blocks += [nn.Conv2d(c_in, c_out, 3, 2, 1), nn.BatchNorm2d(c_out), nn.ReLU()]
-        return nn.Sequential(*blocks, nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(2048, 1000))
+        return torchvision.models
+    except Exception:  # noqa: BLE001 - no (working) torchvision: resnet's stand-in
+        return None
+
+
+def resnet(name: str) -> nn.Module:
+    """torchvision's ``name`` ("ResNet-50"), or a stand-in with the same layer types."""
+    if torchvision_models() is not None:
+        return getattr(torchvision_models(), name.lower().replace("-", ""))(weights=None)
+    blocks = [nn.Conv2d(3, 64, 7, 2, 3), nn.BatchNorm2d(64), nn.ReLU()]
+    for c_in, c_out in ((64, 256), (256, 512), (512, 1024), (1024, 2048)):
+        blocks += [nn.Conv2d(c_in, c_out, 3, 2, 1), nn.BatchNorm2d(c_out), nn.ReLU()]
+    return nn.Sequential(*blocks, nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(2048, 1000))
 
 
 def training_step(model, opt, x, target):
@@ -116,8 +232,75 @@ def training_step(model, opt, x, target):
     return loss
 
 
+def one_config(name: str, ours: bool, compiled: bool, device, batch: int, size: int, at_most_s: float) -> tuple:
+    """(ms per step, steps per repeat, first step s, peak bytes) of one model's training step."""
+    cuda = device.type == "cuda"
+    torch._dynamo.reset()  # the last compiled model's graphs and weights go
+    gc.collect()
+    if cuda:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    torch.manual_seed(0)
+    model = convert_sync_batchnorm(resnet(name), stats="device") if ours else resnet(name)
+    layout = torch.channels_last if name == "ResNet-18" else torch.contiguous_format
+    model = model.to(device, memory_format=layout)
+    x = torch.randn(batch, 3, size, size, device=device).to(memory_format=layout)
+    target = torch.randint(0, 1000, (batch,), device=device)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    if compiled:
+        model = torch.compile(model, fullgraph=True, backend="inductor" if cuda else "aot_eager")
+    sync(device)
+    start = time.perf_counter()
+    training_step(model, opt, x, target)  # the compile, when compiled
+    sync(device)
+    first = time.perf_counter() - start
+    ms, steps = ms_per_step(lambda: training_step(model, opt, x, target), device, at_most_s, STEPS if cuda else 2)
+    return ms, steps, first, torch.cuda.max_memory_allocated() if cuda else 0
+
+
+def training_steps(device, batch: int, size: int, until: float) -> None:
+    """Ours (first: a compile's caches favour the second) against plain, per model and mode."""
+    cuda = device.type == "cuda"
+    # (model, compiled, about the seconds the pair takes on an H200, where the time box needs it)
+    plan = [("ResNet-50", False, 25), ("ResNet-18", False, 15), ("ResNet-18", True, 90)]
+    plan += [("ResNet-50", True, None)] if cuda else []  # the dry run compiles one model
+    r18_compiled_s = 40.0
+    for name, compiled, seconds in plan:
+        seconds = seconds or 2.5 * 2 * r18_compiled_s + 20  # ResNet-50 compiles about 2.5x as long
+        layout = "channels-last" if name == "ResNet-18" else "channels-first"
+        label = name if torchvision_models() is not None else f"{name} stand-in"
+        setting = f"{label} {batch}x{size}², {layout}, {'compiled' if compiled else 'eager'}"
+        if time.time() + seconds > until:
+            row("training step", setting, f"skipped: time box (needs about {seconds:.0f} s)")
+            continue
+        try:
+            at_most_s = 10 if cuda else math.inf
+            o_ms, o_steps, o_first, o_peak = one_config(name, True, compiled, device, batch, size, at_most_s)
+            if time.time() + o_first + 10 > until:  # plain's compile about as long as ours'
+                row("training step", setting,
+                    f"ours {o_ms:.1f} ms, first step {o_first:.1f} s; plain skipped: time box")
+                continue
+            p_ms, p_steps, p_first, p_peak = one_config(name, False, compiled, device, batch, size, at_most_s)
+        except Exception as e:  # noqa: BLE001 - reported in the table
+            row("training step", setting, f"FAILED: {type(e).__name__}: {str(e).splitlines()[0][:80]}")
+            continue
+        finally:
+            torch._dynamo.reset()
+        limit = {("ResNet-50", False): 1.5, ("ResNet-18", True): 1.15}.get((name, compiled))
+        ratio = goal(o_ms / p_ms, limit) if limit else f"{o_ms / p_ms:.2f}x"
+        note = f" ({min(o_steps, p_steps)} steps/repeat)" if cuda and min(o_steps, p_steps) < STEPS else ""
+        result = f"ours {o_ms:.1f} ms, plain {p_ms:.1f} ms{note}: {ratio}"
+        if compiled:
+            first = goal(o_first / p_first, 2.0) if name == "ResNet-18" else f"{o_first / p_first:.2f}x"
+            result += f"; first step {o_first:.1f} s vs {p_first:.1f} s: {first}"
+            if name == "ResNet-18":
+                r18_compiled_s = max(o_first, p_first)
+        peak = f"{o_peak / 2**30:.2f} vs {p_peak / 2**30:.2f} GiB" if cuda else "n/a (CPU)"
+        row("training step", setting, f"{result}; peak memory {peak}")
+
+
 def no_sync(device, size: int) -> None:
-    model = convert_sync_batchnorm(resnet50()).to(device)
+    model = convert_sync_batchnorm(resnet("ResNet-50"), stats="device").to(device)
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     x = torch.randn(2, 3, size, size, device=device)
     target = torch.randint(0, 1000, (2,), device=device)
@@ -137,16 +320,26 @@ def no_sync(device, size: int) -> None:
         result = f"SYNC: {str(e).splitlines()[0][:60]}"
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    row("host syncs, ResNet-50", "3 steps, sync debug 'error'", result)
+    row("host syncs, ResNet-50", f"3 steps, batch 2x{size}², sync debug 'error'", result)
+
+
+def small_model(device):
+    torch.manual_seed(0)
+    model = convert_sync_batchnorm(nn.Sequential(nn.Conv2d(3, 16, 3), nn.BatchNorm2d(16), nn.ReLU()), stats="device")
+    model = model.to(device)
+    return model, torch.optim.SGD(model.parameters(), lr=0.1)
+
+
+def max_diff(a: dict, b: dict) -> float:
+    """The largest difference between two state dicts."""
+    return max((v.double() - b[k].double()).abs().max().item() for k, v in a.items())
 
 
 def cuda_graph(device) -> None:
     if device.type != "cuda":
         row("CUDA graph", "capture + replay", "needs CUDA (dry run)")
         return
-    torch.manual_seed(0)
-    model = convert_sync_batchnorm(nn.Sequential(nn.Conv2d(3, 16, 3), nn.BatchNorm2d(16), nn.ReLU())).to(device)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = small_model(device)
     x, target = torch.randn(4, 3, 32, 32, device=device), torch.randn(4, 16, 30, 30, device=device)
 
     def step():
@@ -169,11 +362,39 @@ def cuda_graph(device) -> None:
         replayed = {k: v.clone() for k, v in model.state_dict().items()}
         model.load_state_dict(state)
         step()
-        diff = max((replayed[k].double() - v.double()).abs().max().item() for k, v in model.state_dict().items())
-        result = f"replay = eager step, max diff {diff:.1e}"
+        result = f"replay = eager step, max diff {max_diff(replayed, model.state_dict()):.1e}"
     except Exception as e:  # noqa: BLE001 - reported in the table
         result = f"FAILED: {type(e).__name__}: {str(e).splitlines()[0][:60]}"
     row("CUDA graph", "capture + replay of a step", result)
+
+
+def compiled_graph(device, steps: int = 6) -> None:
+    """``steps`` steps of ``torch.compile(mode="reduce-overhead")`` (CUDA graphs recorded,
+    then replayed) against the same model eager from the same state."""
+    if device.type != "cuda":
+        row("CUDA graph", "compile reduce-overhead", "needs CUDA (dry run)")
+        return
+    from torch._dynamo.utils import counters
+
+    (model, opt), (eager, eager_opt) = small_model(device), small_model(device)
+    x, target = torch.randn(4, 3, 32, 32, device=device), torch.randn(4, 16, 30, 30, device=device)
+    skips = counters["inductor"]["cudagraph_skips"]
+    compiled = torch.compile(model, mode="reduce-overhead")
+    try:
+        for _ in range(steps):
+            torch.compiler.cudagraph_mark_step_begin()
+            for run, o in ((compiled, opt), (eager, eager_opt)):
+                o.zero_grad(set_to_none=False)
+                ((run(x) - target) ** 2).mean().backward()
+                o.step()
+        skipped = counters["inductor"]["cudagraph_skips"] - skips
+        result = (f"{steps} steps = eager, max diff {max_diff(model.state_dict(), eager.state_dict()):.1e}"
+                  + (f"; CUDA graphs skipped {skipped}x (no replay)" if skipped else ""))
+    except Exception as e:  # noqa: BLE001 - reported in the table
+        result = f"FAILED: {type(e).__name__}: {str(e).splitlines()[0][:60]}"
+    finally:
+        torch._dynamo.reset()
+    row("CUDA graph", f"compile reduce-overhead, {steps} steps", result)
 
 
 def _one_rank(rank: int, device_type: str, out: str, world: int = 2) -> None:
@@ -209,7 +430,7 @@ def two_processes(device) -> None:
     compare(got, "2 processes, spawned", f"gloo, {device.type} tensors, 3+2 rows")
 
 
-def under_mpirun(device) -> None:
+def under_mpirun(device, until: float) -> None:
     """``device`` tensors at 2 ranks under mpirun with no process group: over the private
     group (NCCL for CUDA, as ``auto`` takes), and the custom op over MPI staged through
     pinned host memory, over MPI as it is if CUDA-aware, and over Horovod."""
@@ -221,7 +442,7 @@ def under_mpirun(device) -> None:
     one_gpu = cuda and torch.cuda.device_count() < 2  # NCCL refuses two ranks on one GPU
     runs = [("torch", "", f"private group over MPI ({'NCCL' if cuda else 'Gloo'})", one_gpu),
             ("mpi", "0", "MPI, staged" if cuda else "MPI", False)]
-    if cuda and _mpi_reads_cuda(mpirun):
+    if cuda and _mpi_reads_cuda(mpirun, until):
         runs.append(("mpi", "1", "MPI, CUDA-aware", False))
     if importlib.util.find_spec("horovod") is not None:
         try:
@@ -236,24 +457,29 @@ def under_mpirun(device) -> None:
         if needs_two_gpus:
             row("2 processes, mpirun", setting, "not run: NCCL needs a GPU per rank, 1 here")
             continue
+        if until - time.time() < 10:
+            row("2 processes, mpirun", setting, "skipped: time box")
+            continue
         with tempfile.TemporaryDirectory() as tmp:
             try:
                 done = _under_mpirun(mpirun, __file__, "--rank-of-2", device.type, f"{tmp}/out",
+                                     timeout=until - time.time(),
                                      HVD_SYNCBN_COMM=comm, HVD_SYNCBN_MPI_CUDA=cuda_aware or "0")
                 why = (done.stderr or done.stdout).strip().splitlines()[-1:] if done.returncode else []
             except subprocess.TimeoutExpired:
-                why = ["timed out after 300 s"]
+                why = ["timed out: time box"]
             if why:
                 row("2 processes, mpirun", setting, f"FAILED: {' '.join(why)[:80]}")
                 continue
             compare([torch.load(f"{tmp}/out.{r}") for r in range(2)], "2 processes, mpirun", setting)
 
 
-def _mpi_reads_cuda(mpirun: str) -> bool:
+def _mpi_reads_cuda(mpirun: str, until: float) -> bool:
     """What ``transports.mpi_reads_cuda`` says under mpirun (no answer in time: no)."""
     try:
         return _under_mpirun(mpirun, "-c", "from hvd_syncbn import transports; "
-                             "assert transports.mpi_reads_cuda()").returncode == 0
+                             "assert transports.mpi_reads_cuda()",
+                             timeout=min(60.0, until - time.time())).returncode == 0
     except subprocess.TimeoutExpired:
         return False
 
@@ -271,7 +497,7 @@ def private_group_alone(device) -> None:
     setting = f"over MPI ({'NCCL' if device.type == 'cuda' else 'Gloo'}), {device.type} tensors"
     with tempfile.TemporaryDirectory() as tmp:
         try:  # in this process: a failure is a row, not the loss of the table
-            force(private_comm(MpiCommunicator()))
+            force(private_comm(MpiCommunicator(), "gpu_check, the private group alone"))
             _one_rank(0, device.type, f"{tmp}/out", world=1)
         except Exception as e:  # noqa: BLE001 - reported in the table
             row("private group, 1 rank", setting, f"FAILED: {type(e).__name__}: {str(e)[:60]}")
@@ -279,13 +505,13 @@ def private_group_alone(device) -> None:
         compare([torch.load(f"{tmp}/out.0")], "private group, 1 rank", setting)
 
 
-def _under_mpirun(mpirun: str, *args: str, **settings: str) -> subprocess.CompletedProcess:
+def _under_mpirun(mpirun: str, *args: str, timeout: float, **settings: str) -> subprocess.CompletedProcess:
     """``python args`` at 2 ranks under ``mpirun``, with the environment ``settings``."""
     root = ["--allow-run-as-root"] if os.geteuid() == 0 else []
     passed = [a for name in ("OMP_NUM_THREADS", "PATH", *settings) for a in ("-x", name)]
     return subprocess.run([mpirun, *root, "--oversubscribe", "-np", "2", *passed, sys.executable, *args], cwd=ROOT,
                           env=dict(os.environ, OMP_NUM_THREADS="1", **settings), capture_output=True, text=True,
-                          timeout=300)
+                          timeout=max(timeout, 1.0) if timeout < math.inf else 300)
 
 
 def _rank_under_mpirun(device_type: str, out: str) -> None:
@@ -314,38 +540,59 @@ def compare(got: list, check: str, setting: str) -> None:
         f"{'ok' if ok else 'MISMATCH'}: max diff y {diffs[0]:.1e}, dW {diffs[1]:.1e} rel, mean {diffs[2]:.1e}")
 
 
+def section(name: str, cuda: bool, end: float, fn, *args, boxed: bool = False) -> None:
+    """``fn(*args)`` (with its box's end last where ``boxed``); a failure is a row. On the
+    GPU a section whose box would end in under 10 s does not start; the dry run has no boxes."""
+    until = min(time.time() + BUDGET_S[name], end) if cuda else math.inf
+    if until - time.time() < 10:
+        row(name, "-", "skipped: time box")
+        return
+    start = time.time()
+    try:
+        fn(*args, until) if boxed else fn(*args)
+    except Exception as e:  # noqa: BLE001 - reported in the table
+        row(name, "-", f"FAILED: {type(e).__name__}: {str(e).splitlines()[0][:80] if str(e) else ''}")
+    SECONDS[name] = time.time() - start
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dry-run", action="store_true", help="on the CPU, tiny sizes: check the plumbing")
-    parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--rank-of-2", nargs=2, metavar=("DEVICE", "OUT"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.rank_of_2:  # a rank under mpirun, started by under_mpirun
         _rank_under_mpirun(*args.rank_of_2)
         return
-    if tuple(int(v) for v in torch.__version__.split(".")[:2]) < (2, 4):
-        sys.exit(f"gpu_check: expected torch >= 2.4 (torch.library.custom_op), got {torch.__version__}")
+    if tuple(int(v) for v in torch.__version__.split(".")[:2]) < (2, 11):
+        sys.exit(f"gpu_check: expected torch >= 2.11 (the [torch] extra's floor), got {torch.__version__}")
     cuda = torch.cuda.is_available() and not args.dry_run
     if not cuda and not args.dry_run:
         sys.exit("gpu_check: expected a CUDA GPU (torch.cuda.is_available() is False); use --dry-run on the CPU")
     device = torch.device("cuda" if cuda else "cpu")
+    if not cuda:  # tiny sizes: 1 warm-up step, 2 repeats of 2 steps
+        global WARMUP, REPEATS
+        WARMUP, REPEATS = 1, 2
     started = time.time()
+    end = started + TOTAL_S
     print(f"gpu_check: torch {torch.__version__}, {torch.cuda.get_device_name() if cuda else 'CPU (dry run)'}")
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory(ignore_cleanup_errors=True) as tmp:
+        if cuda:  # first compiles cold, as a user's first run is
+            os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", f"{tmp}/inductor")
         dist.init_process_group("nccl" if cuda else "gloo", init_method=f"file://{tmp}/pg", rank=0, world_size=1)
         force(TorchDistComm(None))
         shapes = SHAPES if cuda else [(2, s[1] // 8, 8, 8) for s in SHAPES]
-        per_layer(device, shapes, args.iters if cuda else 2)
-        no_sync(device, 224 if cuda else 32)
-        cuda_graph(device)
+        section("per layer", cuda, end, per_layer, device, shapes, boxed=True)
+        section("training steps", cuda, end, training_steps, device, *((32, 224) if cuda else (2, 32)), boxed=True)
+        section("host syncs", cuda, end, no_sync, device, 224 if cuda else 32)
+        section("CUDA graphs", cuda, end, lambda: (cuda_graph(device), compiled_graph(device)))
         dist.destroy_process_group()
-    two_processes(device)
-    under_mpirun(device)
-    private_group_alone(device)  # last: it sets every layer's communicator
-    print(f"\n| check | setting | result |\n|---|---|---|")
+    section("2 processes, spawned", cuda, end, two_processes, device)
+    section("2 processes, mpirun", cuda, end, under_mpirun, device, boxed=True)
+    section("private group, 1 rank", cuda, end, private_group_alone, device)  # last: it sets every layer's comm
+    print("\n| check | setting | result |\n|---|---|---|")
     for r in ROWS:
         print(f"| {' | '.join(r)} |")
-    print(f"\ngpu_check: {time.time() - started:.0f} s")
+    print(f"\ngpu_check: {time.time() - started:.0f} s ({', '.join(f'{k} {v:.0f}' for k, v in SECONDS.items())})")
 
 
 if __name__ == "__main__":
