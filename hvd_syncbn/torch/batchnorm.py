@@ -21,7 +21,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from hvd_syncbn import backend
 from hvd_syncbn.comm import Communicator, SyncBatchNormError
 from hvd_syncbn.torch import deferred, reducers, transports
-from hvd_syncbn.torch.device import DeviceFunction, Plan
+from hvd_syncbn.torch.device import DeviceFunction, Plan, cast
 from hvd_syncbn.torch.kernels import HostKernels, Stats
 from hvd_syncbn.torch.reducers import GroupReducer, HostReducer, Identity, OpReducer
 from hvd_syncbn.transports import requested_kind
@@ -285,13 +285,13 @@ class SyncBatchNorm(_BatchNorm):
         ``var`` where ``updated`` (a ``(1,)`` boolean tensor), without a host read."""
         tracked, buffers = self.num_batches_tracked, [self.running_mean, self.running_var]
         tracked.add_(updated[0])
-        news = [torch.where(updated, new, old).to(old.dtype) for new, old in zip((mean, var), buffers)]
+        news = [cast(torch.where(updated, new, old), old.dtype) for new, old in zip((mean, var), buffers)]
         if self.momentum is not None:
             torch._foreach_lerp_(buffers, news, self.momentum)  # lerp(old, old, w) is old: no update
             return
         weight = tracked.clamp_min(1).reciprocal()  # a cumulative average
         for buf, new in zip(buffers, news):
-            buf.lerp_(new, weight.to(buf.dtype))
+            buf.lerp_(new, cast(weight, buf.dtype))
 
     def _on_host(self, x: Tensor, reduce: HostReducer) -> Tensor:
         """The host path: statistics in numpy, checks that raise."""

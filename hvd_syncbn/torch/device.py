@@ -47,13 +47,18 @@ def cached(key: Any, make: Callable[[], Tensor]) -> Tensor:
     """A constant tensor, made by ``make`` once per process and ``key`` and reused by
     every later step; under ``torch.compile`` made in the graph (a constant there), and
     under a ``FakeTensorMode`` (shape propagation) made fake, each time."""
-    if torch.compiler.is_compiling() or torch._guards.detect_fake_mode() is not None:
+    if torch.compiler.is_compiling() or torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is not None:
         return make()
     found = _cache.get(key)
     if found is None:
         with torch.inference_mode(False):  # usable by later steps outside inference mode
             found = _cache[key] = make()
     return found
+
+
+def cast(t: Optional[Tensor], dtype: torch.dtype) -> Optional[Tensor]:
+    """``t`` in ``dtype`` (``None`` stays): no call where it already is (each costs host time)."""
+    return t if t is None or t.dtype == dtype else t.to(dtype)
 
 
 def constant(values: Tuple[float, ...], device: torch.device) -> Tensor:
@@ -92,7 +97,7 @@ def local_buffer(x: Tensor, seed: Tensor, acc: torch.dtype) -> Tensor:
         shift = mean = var = x.sum(reduced_dims(x))
     else:
         shift = x[(0, slice(None)) + (0,) * (x.dim() - 2)]  # (C,)
-        shift = shift if shift.dtype == acc else shift.to(acc)
+        shift = cast(shift, acc)
         var, mean = torch.var_mean(x - per_channel(shift, x), reduced_dims(x), correction=0)
     buf = torch.cat([shift, seed, mean, var])  # float64: the seed's dtype
     mean, square = buf[channels + seed.numel():].view(2, channels).unbind()
@@ -140,8 +145,8 @@ class DeviceFunction(torch.autograd.Function):
         flags[heads:].logical_not_()  # N == 1: a global batch of one row
         if plan.check_finite:
             flags = torch.cat([flags, torch.isfinite(moments).all().logical_not().view(1)])
-        stats = moments.to(plan.acc)
-        y = normalize(x, *(p if p is None else p.to(plan.acc) for p in (weight, bias)), *stats.unbind(), plan.eps)
+        stats = cast(moments, plan.acc)
+        y = normalize(x, cast(weight, plan.acc), cast(bias, plan.acc), *stats.unbind(), plan.eps)
         ctx.save_for_backward(x, weight, stats, count)
         ctx.plan = plan
         ctx.mark_non_differentiable(stats, count, flags)
@@ -155,13 +160,13 @@ class DeviceFunction(torch.autograd.Function):
         dy = torch.zeros_like(x) if dy is None else dy
         mean, var = stats.unbind()
         invstd = torch.rsqrt(var + plan.eps)
-        gamma = ones(channels, plan.acc, x.device) if weight is None else weight.to(plan.acc)
+        gamma = ones(channels, plan.acc, x.device) if weight is None else cast(weight, plan.acc)
         if x.numel() == 0:  # zeros from dy (the CPU kernel divides by the rows); constants would let a compiler
             sum_dy_xhat = sum_dy = dy.sum(reduced_dims(x), dtype=plan.acc)  # move the collective before the data
         else:
             _, sum_dy_xhat, sum_dy = torch.ops.aten.native_batch_norm_backward(
                 dy, x, gamma, None, None, mean, invstd, True, plan.eps, [False, True, True])
-        grads = [s.to(weight.dtype) if weight is not None and need else None
+        grads = [cast(s, weight.dtype) if weight is not None and need else None
                  for s, need in ((sum_dy_xhat, ctx.needs_input_grad[1]), (sum_dy, ctx.needs_input_grad[2]))]
         if not ctx.needs_input_grad[0]:
             return None, *grads, None
@@ -173,7 +178,7 @@ class DeviceFunction(torch.autograd.Function):
         nan = constant((NAN,), x.device)
         count = torch.where(torch.ne(out[:heads], expected), nan, count) if heads else count  # (H or 1,)
         k = invstd if weight is None else invstd * gamma
-        coeffs = (out[heads:].view(2, channels) * (k / count.view(-1, 1))).to(plan.acc)  # [t, s] = −k·[Σdy, Σdy·x̂]/N
+        coeffs = cast(out[heads:].view(2, channels) * (k / count.view(-1, 1)), plan.acc)  # [t, s] = −k·[Σdy, Σdy·x̂]/N
         t, s = coeffs.unbind()
         dx = normalize(x, s, t, mean, var, plan.eps)  # s·x̂ + t
-        return dx.addcmul_(dy, per_channel(k.to(dx.dtype), x)), *grads, None
+        return dx.addcmul_(dy, per_channel(cast(k, dx.dtype), x)), *grads, None

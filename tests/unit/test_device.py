@@ -9,6 +9,7 @@ are one rank's, which is what these tests need (the sums are tested across real 
 
 from __future__ import annotations
 
+import contextlib
 import tempfile
 
 import pytest
@@ -145,24 +146,30 @@ def made_from_data(monkeypatch):
     return log
 
 
+def second_step(stats: str, rows: int, log: list, mode=None) -> list:
+    """What ``log`` holds after the second training step (the first makes the layers'
+    constants) of ``cnn(stats)`` on ``rows`` rows, run in ``mode`` if given; the host
+    path over a local communicator of 2."""
+    model = cnn(stats)
+    for m in model.modules():
+        if isinstance(m, SyncBatchNorm) and stats == "host":
+            m.comm = transport.LocalCommunicator(2)
+    x = torch.randn(rows, 3, 6, 6, requires_grad=True)
+    model(x).square().sum().backward()
+    log.clear()
+    with mode or contextlib.nullcontext():
+        model(x).square().sum().backward()
+    return list(log)
+
+
 @pytest.mark.parametrize("rows", [3, 0])
 def test_device_step_makes_no_tensor_from_data(fake_world, made_from_data, rows):
     """After a layer's first step (which makes its constants), a training step of a
     converted model makes no tensor from Python or numpy data; the host path, for
     contrast, does (its statistics cross as numpy), so the count can fail."""
-    counts = {}
-    for stats in ("device", "host"):
-        model = cnn(stats)
-        for m in model.modules():
-            if isinstance(m, SyncBatchNorm) and stats == "host":
-                m.comm = transport.LocalCommunicator(2)
-        x = torch.randn(rows, 3, 6, 6, requires_grad=True)
-        model(x).square().sum().backward()
-        made_from_data.clear()
-        model(x).square().sum().backward()
-        counts[stats] = list(made_from_data)
-    assert counts["device"] == [], f"tensors made from data on the device path: {counts['device']}"
-    assert len(counts["host"]) > 0, "the wrapper saw no tensor made from data on the host path"
+    device, host = (second_step(stats, rows, made_from_data) for stats in ("device", "host"))
+    assert device == [], f"tensors made from data on the device path: {device}"
+    assert len(host) > 0, "the wrapper saw no tensor made from data on the host path"
 
 
 def test_device_step_runs_on_the_meta_device(fake_world):
@@ -180,19 +187,9 @@ def test_device_step_runs_on_the_meta_device(fake_world):
 def test_device_path_makes_no_host_read_in_forward_and_backward(fake_world, host_reads, rows):
     """Zero host reads on the device path (an empty rank included); the host path (over
     a local communicator), for contrast, makes them, so the count can fail."""
-    counts = {}
-    for stats in ("device", "host"):
-        model = cnn(stats)
-        for m in model.modules():
-            if isinstance(m, SyncBatchNorm) and stats == "host":
-                m.comm = transport.LocalCommunicator(2)
-        x = torch.randn(rows, 3, 6, 6, requires_grad=True)
-        host_reads.clear()
-        with HostReads(host_reads):
-            model(x).square().sum().backward()
-        counts[stats] = list(host_reads)
-    assert counts["device"] == [], f"host reads on the device path: {counts['device']}"
-    assert len(counts["host"]) > 0, "the counter saw no host read on the host path"
+    device, host = (second_step(stats, rows, host_reads, HostReads(host_reads)) for stats in ("device", "host"))
+    assert device == [], f"host reads on the device path: {device}"
+    assert len(host) > 0, "the counter saw no host read on the host path"
 
 
 def test_device_path_runs_under_fake_tensor_mode(fake_world):
