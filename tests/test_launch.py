@@ -19,6 +19,7 @@ from launching import ROOT, TIMEOUT_S, clean_env, launch_command, run_suite
 pytestmark = pytest.mark.ranks
 
 TORCH = ["tests/ranks_torch.py"]
+REPLICAS = "tests/ranks_replicas.py"  # DataParallel's replicas in each process, SyncBN across them
 # What the split over ranks changes, not the transport: hypothesis's random cases run at 1
 # rank and under mpirun at 2 and 3 (under horovodrun's Gloo, 200 examples took 3.4x and
 # 4.7x as long as under mpirun: Horovod's cycle per collective).
@@ -64,11 +65,11 @@ LAUNCHES = [
     # the random cases at 1, 2 and 3 (PROPS); the real models (slow) at 1 and at 3 ranks
     # under mpirun only (unequal shards, an odd world): they test the layer in training,
     # not the transport (Horovod's Gloo at 2 and 3 ranks is covered by ranks_torch.py).
-    (TORCH + [PROPS, MODELS], "plain", 1, "", SETS),
+    (TORCH + [PROPS, MODELS, REPLICAS], "plain", 1, "", SETS),
     (TORCH, "horovodrun-gloo", 2, "", dict(SETS, **TIMELINE)),
-    (TORCH + [PROPS], "mpirun", 2, "", SETS),
+    (TORCH + [PROPS, REPLICAS], "mpirun", 2, "", SETS),
     (TORCH, "horovodrun-gloo", 3, "", SETS),
-    (TORCH + [PROPS, MODELS], "mpirun", 3, "", SETS),
+    (TORCH + [PROPS, MODELS, REPLICAS], "mpirun", 3, "", SETS),
     # The Keras suite likewise, whole at 1 rank and at 2 under horovodrun, the README's
     # launcher; elsewhere what the launch changes (MPI_TF, TRANSPORT_TF, ODD_WORLD_TF). Its
     # real models under mpirun at 2 and 3; Keras's own BN tests with our layer swapped in at
@@ -85,7 +86,7 @@ LAUNCHES = [
     # horovodrun --mpi, which runs mpirun: its XLA cases sum over MPI), torch.distributed (Gloo).
     (TORCH, "mpirun", 2, "horovod", SETS),
     ([TF], "horovodrun-mpi", 2, "horovod", dict(select=TRANSPORT_TF + " or default_compile")),
-    (["tests/ranks_torch.py"], "horovodrun-gloo", 2, "torch", SETS),
+    (["tests/ranks_torch.py", REPLICAS], "horovodrun-gloo", 2, "torch", SETS),
     # The device path, eager and compiled: functional collectives on a private group
     # bootstrapped over MPI, then on the user's Gloo group (one launch each at 2 and 3
     # ranks); the custom op over MPI/Horovod (and a private group over each, as CUDA

@@ -20,7 +20,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from hvd_syncbn import backend
 from hvd_syncbn.comm import Communicator, SyncBatchNormError
-from hvd_syncbn.torch import deferred, reducers, transports
+from hvd_syncbn.torch import deferred, reducers, replicas, transports
 from hvd_syncbn.torch.device import DeviceFunction, Plan, cast
 from hvd_syncbn.torch.kernels import HostKernels, Stats
 from hvd_syncbn.torch.reducers import GroupReducer, HostReducer, Identity, OpReducer
@@ -251,8 +251,17 @@ class SyncBatchNorm(_BatchNorm):
             return HostReducer(comm, identity)
         return GroupReducer(comm, identity) if comm.traceable else OpReducer(comm, identity, x.device)
 
+    def _replicate_for_data_parallel(self) -> "SyncBatchNorm":
+        """``nn.DataParallel``'s copy of this layer for one of its devices: the copies made by
+        one ``replicate`` synchronize with each other (:mod:`hvd_syncbn.torch.replicas`)."""
+        replica = super()._replicate_for_data_parallel()
+        replica._replicas, replica._replica_rank = replicas.join(self)
+        return replica
+
     def forward(self, input: Tensor) -> Tensor:
         comm, on_device = None, False
+        if "_replicas" in self.__dict__ and (self.training or not self.track_running_stats):  # under DataParallel
+            return replicas.forward(self, input)
         if self.training or not self.track_running_stats:  # synchronized
             on_device = self.stats == "device" or self.stats == "auto" and (
                 input.device.type != "cpu" or torch.compiler.is_compiling())
@@ -270,15 +279,20 @@ class SyncBatchNorm(_BatchNorm):
         """The device path (:mod:`hvd_syncbn.torch.device`): flags recorded, nothing read."""
         plan = Plan(reduce, self.eps, self._acc_dtype(x), self.check_finite)
         y, stats, count, flags = DeviceFunction.apply(x, self.weight, self.bias, plan)
+        self._after_step(stats, count, flags, len(reduce.head("fwd")))
+        return y
+
+    def _after_step(self, stats: Tensor, count: Tensor, flags: Tensor, heads: int) -> None:
+        """Record a device-path step's flags and update the running statistics from its
+        global ``stats`` and ``count`` (:class:`~hvd_syncbn.torch.device.DeviceFunction`'s)."""
         with torch.no_grad():
-            deferred.record(self.layer_name, self._sync_errors, flags, len(reduce.head("fwd")))
+            deferred.record(self.layer_name, self._sync_errors, flags, heads)
             if self.training and self.track_running_stats:
                 updated = count < -1.0  # 2+ rows, matching headers (a NaN count compares false)
                 if self.check_finite:
                     updated &= ~flags[-1]
                 mean, var = stats.unbind()
                 self._running_update(mean, torch.addcdiv(var, var, count[0] + 1.0, value=-1.0), updated)  # var·N/(N−1)
-        return y
 
     def _running_update(self, mean: Tensor, var: Tensor, updated: Tensor) -> None:
         """Count the batch and move the running statistics toward ``mean`` and the unbiased

@@ -1,0 +1,226 @@
+"""SyncBatchNorm across the replicas that ``nn.DataParallel`` makes of a layer in one
+process, and across processes with one collective per process and direction.
+
+``nn.DataParallel`` copies the model for each of its devices at every forward
+(``torch.nn.parallel.replicate``, which calls each module's
+``_replicate_for_data_parallel``: the seam; no wrapper class, no patch) and runs the
+copies in threads, one per device. The copies of one layer made by one ``replicate``
+form a :class:`ReplicaSet`. In the forward each replica computes its local buffer (the
+device path's, :func:`hvd_syncbn.torch.device.local_buffer`); the last to arrive sums
+them, sums that over the processes where there are several (the layer's communicator,
+one collective), and every replica normalises with the result.
+
+The backward has no meeting point: on one device the autograd engine runs every
+replica's backward in one thread, one after the other, so a replica waiting for another
+would wait forever. The sums travel through the autograd graph instead, in three
+Functions per layer and step:
+
+- :class:`ReplicaNorm` (per replica): ``y`` from the global buffer ``G``; its backward
+  gives ``k·dy`` to ``x`` and, as ``G``'s "gradient", this replica's ``[Σdy, Σdy·x̂]``
+  (a linear stand-in, not the true gradient: the engine sums it over the replicas);
+- :class:`ReplicaSum` (one per layer and step): its backward gets that sum once every
+  replica's has arrived, sums it over the processes (the backward collective) and hands
+  the global sums to every replica's
+- :class:`ReplicaStats`, whose backward adds ``s·x̂ + t`` to ``x``'s gradient
+  (:func:`~hvd_syncbn.backend.input_grad_coeffs`).
+
+Replicas run eagerly (``torch.compile`` cannot trace the meeting of threads).
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from typing import Any, Callable, Dict, List, Tuple
+
+import torch
+from torch import Tensor, nn
+from torch.autograd.function import once_differentiable
+
+from hvd_syncbn.comm import SyncBatchNormError, get_timeout
+from hvd_syncbn.torch.device import NAN, Plan, cast, constant, local_buffer, normalize, ones, seeds
+from hvd_syncbn.torch.kernels import per_channel
+
+_forming: "weakref.WeakKeyDictionary[nn.Module, ReplicaSet]" = weakref.WeakKeyDictionary()
+
+
+class ReplicaSet:
+    """The replicas of one layer made by one ``replicate``: they meet once per call of the
+    layer in the forward (``round``), and the last to arrive combines what they brought."""
+
+    def __init__(self, origin: nn.Module) -> None:
+        self.origin = weakref.proxy(origin)  # held by _forming, whose weak key it must not keep alive
+        self.size, self.started = 0, False
+        # Resolved here, in the thread that replicates: a transport's first use is collective.
+        like = next((t for t in (origin.weight, origin.running_mean) if t is not None), None)
+        self.comm = origin._comm(like is not None and like.device.type == "cuda")
+        self.ready = threading.Condition()
+        self.rounds: Dict[int, dict] = {}
+
+    def meet(self, rank: int, round: int, item: Any, combine: Callable[[List[Any]], Any], timeout: float) -> Any:
+        """``combine`` of every replica's ``item`` of this ``round``, computed once (by the
+        last to arrive) and returned to each; a replica that failed (``item`` an
+        exception) fails every one of them."""
+        with self.ready:
+            self.started = True
+            meeting = self.rounds.setdefault(round, {"items": {}, "result": None})
+            meeting["items"][rank] = item
+            if len(meeting["items"]) == self.size:
+                items = [meeting["items"][r] for r in range(self.size)]
+                failed = next((i for i in items if isinstance(i, BaseException)), None)
+                try:
+                    meeting["result"] = failed if failed is not None else (combine(items),)
+                except BaseException as e:  # noqa: BLE001 - every replica raises it
+                    meeting["result"] = e
+                self.ready.notify_all()
+            elif not self.ready.wait_for(lambda: meeting["result"] is not None, timeout):
+                missing = sorted(set(range(self.size)) - set(meeting["items"]))
+                meeting["result"] = SyncBatchNormError(
+                    f"{self.origin.layer_name}: DataParallel replicas {missing} of {self.size} did not reach this "
+                    f"layer within {timeout:g} s (every replica must call the same SyncBN layers in the same order)")
+                self.ready.notify_all()
+            result = meeting["result"]
+        if isinstance(result, BaseException):
+            if result is item:
+                raise result
+            raise SyncBatchNormError(f"{self.origin.layer_name}: another DataParallel replica failed: "
+                                     f"{type(result).__name__}: {result}") from result
+        return result[0]
+
+
+def join(origin: nn.Module) -> Tuple[ReplicaSet, int]:
+    """The set a new replica of ``origin`` belongs to (a new one once the last has met),
+    and its rank in it."""
+    current = _forming.get(origin)
+    if current is None or current.started:
+        current = _forming[origin] = ReplicaSet(origin)
+    current.size += 1
+    return current, current.size - 1
+
+
+class State:
+    """What one replica's step shares between its Functions: the global statistics
+    (forward) and ``k = γ·invstd`` (backward, before :class:`ReplicaStats` needs it)."""
+
+    stats: Tensor
+    count: Tensor
+    k: Tensor
+
+
+def forward(layer: nn.Module, x: Tensor) -> Tensor:
+    """A replica's synchronized forward."""
+    replicas, rank = layer._replicas, layer._replica_rank
+    reduce = None if replicas.comm is None else layer._reducer(x, replicas.comm, True)  # over the processes
+    round = layer.__dict__["_replica_round"] = layer.__dict__.get("_replica_round", -1) + 1
+    state = State()
+    try:
+        layer._check_input_dim(x)
+        plan = Plan(reduce, layer.eps, layer._acc_dtype(x), layer.check_finite)
+        heads = len(reduce.head("fwd")) if reduce is not None else 0
+        seed = seeds(reduce, "fwd", x.device)[0] if reduce is not None else constant((1.0,), x.device)
+        if rank > 0 and heads:  # the header once per process: the others add zeros
+            seed = constant((0.0,) * heads + (1.0,), x.device)
+        tail = ReplicaStats.apply(x, plan, seed, state)
+    except BaseException as e:  # noqa: BLE001 - every replica fails with it
+        replicas.meet(rank, round, e, None, get_timeout())
+        raise
+    total = replicas.meet(rank, round, tail, lambda tails: ReplicaSum.apply(plan, heads, *tails), get_timeout())
+    y, stats, count, flags = ReplicaNorm.apply(x, layer.weight, layer.bias, total.to(x.device), plan, heads, state)
+    if rank == 0:  # the module DataParallel keeps gets the flags and the running statistics, once
+        replicas.origin._after_step(stats, count, flags, heads)
+    return y
+
+
+class ReplicaStats(torch.autograd.Function):
+    """``x`` → this replica's part of the summed buffer, ``[seed | −n | −Σx | −Σx²]``; its
+    backward gets the global ``[Σdy, Σdy·x̂]`` in place of a gradient and returns
+    ``s·x̂ + t``."""
+
+    @staticmethod
+    def forward(ctx, x, plan: Plan, seed: Tensor, state: State):  # noqa: D401 - autograd API
+        ctx.save_for_backward(x)
+        ctx.plan, ctx.state, ctx.heads = plan, state, seed.numel() - 1
+        return local_buffer(x, seed, plan.acc)[x.shape[1]:]
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, sums):
+        (x,), plan, state, channels = ctx.saved_tensors, ctx.plan, ctx.state, ctx.saved_tensors[0].shape[1]
+        coeffs = cast(sums[ctx.heads + 1:].view(2, channels) * (state.k / state.count.view(-1, 1)), plan.acc)
+        t, s = coeffs.unbind()  # −k·[Σdy, Σdy·x̂]/N
+        return normalize(x, s, t, *state.stats.unbind(), plan.eps), None, None, None
+
+
+class ReplicaSum(torch.autograd.Function):
+    """The replicas' buffers summed on the first one's device, then over the processes;
+    backward: the replicas' ``[Σdy, Σdy·x̂]`` summed over the processes, to each replica."""
+
+    @staticmethod
+    def forward(ctx, plan: Plan, heads: int, *tails):  # noqa: D401 - autograd API
+        ctx.plan, ctx.heads, ctx.devices = plan, heads, [t.device for t in tails]
+        total = tails[0].clone()
+        for t in tails[1:]:
+            total += t.to(total.device)
+        return total if plan.reduce is None else plan.reduce(total, "fwd")
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, sums):
+        plan, heads = ctx.plan, ctx.heads
+        if plan.reduce is not None:
+            seed, expected = seeds(plan.reduce, "bwd", sums.device)
+            out = plan.reduce(torch.cat([seed, sums[heads + 1:]]), "bwd")
+            nan = constant((NAN,), sums.device)
+            poison = torch.where(torch.ne(out[:heads], expected).any(), nan, 0.0) if heads else 0.0
+            sums = torch.cat([sums[:heads + 1], out[heads:] + poison])
+        return None, None, *(sums.to(device) for device in ctx.devices)
+
+
+class ReplicaNorm(torch.autograd.Function):
+    """``y`` from ``x`` and the summed buffer, as :class:`~hvd_syncbn.torch.device.DeviceFunction`
+    after its collective; backward: ``k·dy`` to ``x``, this replica's ``[Σdy, Σdy·x̂]`` to
+    the buffer."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, out, plan: Plan, heads: int, state: State):  # noqa: D401 - autograd API
+        ctx.set_materialize_grads(False)
+        channels = x.shape[1]
+        expected = seeds(plan.reduce, "fwd", x.device)[1] if plan.reduce is not None else \
+            constant((-1.0,), x.device)
+        flags = torch.ne(out[:heads + 1], expected)
+        count = out[heads:heads + 1]
+        count = (torch.where(flags[:heads].any(), constant((NAN,), x.device), count) if heads else count
+                 ).clamp_max(-1.0)
+        moments = out[heads + 1:].view(2, channels) / count
+        mean, square = moments.unbind()
+        square.addcmul_(mean, mean, value=-1.0).clamp_min_(0.0)
+        flags[heads:].logical_not_()
+        if plan.check_finite:
+            flags = torch.cat([flags, torch.isfinite(moments).all().logical_not().view(1)])
+        state.stats, state.count = cast(moments, plan.acc), count
+        y = normalize(x, cast(weight, plan.acc), cast(bias, plan.acc), *state.stats.unbind(), plan.eps)
+        ctx.save_for_backward(x, weight)
+        ctx.plan, ctx.state, ctx.heads = plan, state, heads
+        ctx.mark_non_differentiable(state.stats, count, flags)
+        return y, state.stats, count, flags
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dy, *_):
+        x, weight = ctx.saved_tensors
+        plan, state, channels = ctx.plan, ctx.state, x.shape[1]
+        dy = torch.zeros_like(x) if dy is None else dy
+        mean, var = state.stats.unbind()
+        invstd = torch.rsqrt(var + plan.eps)
+        gamma = ones(channels, plan.acc, x.device) if weight is None else cast(weight, plan.acc)
+        if x.numel() == 0:
+            sum_dy_xhat = sum_dy = dy.sum([0, *range(2, x.dim())], dtype=plan.acc)
+        else:
+            _, sum_dy_xhat, sum_dy = torch.ops.aten.native_batch_norm_backward(
+                dy, x, gamma, None, None, mean, invstd, True, plan.eps, [False, True, True])
+        grads = [cast(s, weight.dtype) if weight is not None and need else None
+                 for s, need in ((sum_dy_xhat, ctx.needs_input_grad[1]), (sum_dy, ctx.needs_input_grad[2]))]
+        state.k = invstd if weight is None else invstd * gamma
+        dx = dy * per_channel(cast(state.k, dy.dtype), x) if ctx.needs_input_grad[0] else None
+        zeros = constant((0.0,) * (ctx.heads + 1), x.device)
+        return dx, *grads, torch.cat([zeros, sum_dy, sum_dy_xhat]), None, None, None
