@@ -3,8 +3,9 @@
     python benchmarks/gpu_check.py             # a machine with a CUDA GPU (no Horovod needed)
     python benchmarks/gpu_check.py --dry-run   # any machine: the same plumbing on the CPU, tiny sizes
 
-fairscale's SyncBN is a column where ``peers/fairscale`` is (git-ignored; how to fetch it:
-``peers/README``; a device run must carry ``peers``) or fairscale is installed; else 'n/a'.
+fairscale's SyncBN and vacancy's Synchronized-BatchNorm are columns where ``peers/`` has
+them (git-ignored; how to fetch them: ``peers/README``; a device run must carry ``peers``)
+or they are installed; else 'n/a'.
 
 Sections, most important first, each in a time box on the GPU (seconds; a section or
 item that would overrun is a 'skipped: time box' row, a failure a 'FAILED' row):
@@ -22,7 +23,11 @@ item that would overrun is a 'skipped: time box' row, a failure a 'FAILED' row):
    converted ResNet-50;
 4. CUDA graphs (40): capture + replay of an eager training step, and
    ``torch.compile(mode="reduce-overhead")`` steps, against the same steps eager;
-5. correctness (25 + 60 + 15): 2 processes (sharing the GPU where there is one), against
+5. DataParallel (30): ``nn.DataParallel`` with ``device_ids=[0, 0]`` (and every GPU where
+   there are several) against one process on the whole batch; per layer against
+   unsynchronized ``DataParallel(nn.BatchNorm2d)`` and vacancy's ``DataParallelWithCallback``
+   (``peers/sync_batchnorm``, where fetched); goals <= 1.2x and <= 0.6x;
+6. correctness (25 + 60 + 15): 2 processes (sharing the GPU where there is one), against
    one process running plain BN on the concatenated batch: over Gloo, and (where mpirun
    and mpi4py are) under mpirun over the private group (NCCL, which needs a GPU per rank),
    with the custom op over MPI (staged through pinned host memory; as it is where MPI is
@@ -63,7 +68,7 @@ from torch import nn
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-sys.path.append(str(ROOT / "peers"))  # fairscale, where fetched (peers/README)
+sys.path.append(str(ROOT / "peers"))  # fairscale and vacancy's sync_batchnorm, where fetched (peers/README)
 from hvd_syncbn.torch import SyncBatchNorm, convert_sync_batchnorm  # noqa: E402
 from hvd_syncbn.torch.transports import TorchDistComm  # noqa: E402
 
@@ -71,7 +76,7 @@ from hvd_syncbn.torch.transports import TorchDistComm  # noqa: E402
 SHAPES = [(8, 64, 56, 56), (2, 256, 64, 64), (8, 512, 28, 28), (4, 2048, 7, 7), (2, 64, 128, 128),
           (32, 64, 112, 112), (32, 256, 56, 56), (64, 2048, 7, 7)]
 STEPS, REPEATS, WARMUP = 50, 5, 3
-BUDGET_S = {"per layer": 45, "training steps": 130, "host syncs": 15, "CUDA graphs": 40,
+BUDGET_S = {"per layer": 45, "training steps": 130, "host syncs": 15, "CUDA graphs": 40, "DataParallel": 30,
             "2 processes, spawned": 25, "2 processes, mpirun": 60, "private group, 1 rank": 15}
 TOTAL_S = 330  # the sections' boxes end here on the GPU: 6 minutes with room for start-up and an overrun
 ROWS: list = []
@@ -397,6 +402,65 @@ def compiled_graph(device, steps: int = 6) -> None:
     row("CUDA graph", f"compile reduce-overhead, {steps} steps", result)
 
 
+DP_SHAPES = [(8, 64, 56, 56), (8, 512, 28, 28), (4, 2048, 7, 7)]
+
+
+def seed_library():
+    """vacancy's ``(DataParallelWithCallback, SynchronizedBatchNorm2d)``, or why there are none."""
+    try:
+        from sync_batchnorm import DataParallelWithCallback, SynchronizedBatchNorm2d
+
+        return (DataParallelWithCallback, SynchronizedBatchNorm2d), ""
+    except Exception as e:  # noqa: BLE001 - a column that says why
+        return None, f"n/a ({type(e).__name__}: {str(e)[:40]})"
+
+
+def data_parallel(device, until: float) -> None:
+    """``nn.DataParallel`` with ``device_ids=[0, 0]`` (replicas share the GPU; and every GPU
+    where there are several): a step against one process on the whole batch; per layer,
+    ours against unsynchronized ``DataParallel(nn.BatchNorm2d)`` and the seed library's
+    ``DataParallelWithCallback`` where importable (goals <= 1.2x and <= 0.6x)."""
+    if device.type != "cuda":
+        row("DataParallel", "device_ids [0, 0]", "needs CUDA (dry run; the replicas run in threads in the unit tests)")
+        return
+    count = torch.cuda.device_count()
+    for ids in [[0, 0]] + ([list(range(count))] if count > 1 else []):
+        torch.manual_seed(0)
+        model = convert_sync_batchnorm(nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU())).to(device)
+        torch.manual_seed(1)
+        y = nn.DataParallel(model, device_ids=ids)(torch.randn(5, 3, 12, 12).to(device))
+        y.square().sum().backward()
+        compare([dict(y=y.detach().cpu(), grad=model[0].weight.grad.cpu(), mean=model[1].running_mean.cpu())],
+                "DataParallel", f"device_ids {ids}, 5 rows")
+    seed, no_seed = seed_library()
+    for n, shape in enumerate(DP_SHAPES):
+        setting = f"{tuple(shape)} float32, device_ids [0, 0]"
+        if time.time() > until:
+            row("DataParallel per layer", setting, "skipped: time box")
+            continue
+        share = (until - time.time()) / (len(DP_SHAPES) - n) / 3
+        x = torch.randn(shape, device=device, requires_grad=True)
+        dy = torch.randn_like(x)
+        makers = {"ours": lambda c: nn.DataParallel(SyncBatchNorm(c, stats="device").to(device), device_ids=[0, 0]),
+                  "unsynchronized": lambda c: nn.DataParallel(nn.BatchNorm2d(c).to(device), device_ids=[0, 0]),
+                  "seed library": (lambda c: seed[0](seed[1](c).to(device), device_ids=[0, 0])) if seed else no_seed}
+        ms, cells = {}, []
+        for name, make in makers.items():
+            if isinstance(make, str):
+                cells.append(f"{name} {make}")
+                continue
+            try:
+                layer = make(shape[1])
+                ms[name], _ = ms_per_step(lambda: torch.autograd.grad(layer(x), (x,), dy), device, share)
+                cells.append(f"{name} {ms[name]:.3f}")
+            except Exception as e:  # noqa: BLE001 - a cell that says why
+                cells.append(f"{name} FAILED ({type(e).__name__}: {str(e).splitlines()[0][:40]})")
+        ours = ms.get("ours", math.nan)
+        ratios = [f"ours/unsynchronized {goal(ours / ms['unsynchronized'], 1.2)}" if "unsynchronized" in ms else "",
+                  f"ours/seed library {goal(ours / ms['seed library'], 0.6)}" if "seed library" in ms else ""]
+        row("DataParallel per layer", setting, f"{', '.join(cells)} ms; {', '.join(r for r in ratios if r)}")
+
+
 def _one_rank(rank: int, device_type: str, out: str, world: int = 2) -> None:
     """Rank ``rank`` of ``world`` (2, or 1: all 5 rows): one device-path step on its share
     (3 + 2 rows), saved to ``out.rank``; on CUDA each rank on a GPU of its own where there are 2."""
@@ -585,6 +649,7 @@ def main() -> None:
         section("training steps", cuda, end, training_steps, device, *((32, 224) if cuda else (2, 32)), boxed=True)
         section("host syncs", cuda, end, no_sync, device, 224 if cuda else 32)
         section("CUDA graphs", cuda, end, lambda: (cuda_graph(device), compiled_graph(device)))
+        section("DataParallel", cuda, end, data_parallel, device, boxed=True)
         dist.destroy_process_group()
     section("2 processes, spawned", cuda, end, two_processes, device)
     section("2 processes, mpirun", cuda, end, under_mpirun, device, boxed=True)
