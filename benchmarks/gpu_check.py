@@ -4,8 +4,13 @@
     python benchmarks/gpu_check.py --dry-run   # any machine: the same plumbing on the CPU, tiny sizes
 
 fairscale's SyncBN and vacancy's Synchronized-BatchNorm are columns where ``peers/`` has
-them (git-ignored; how to fetch them: ``peers/README``; a device run must carry ``peers``)
-or they are installed; else 'n/a'.
+them or they are installed; else 'n/a'. ``peers/`` is git-ignored (a device run must
+carry it); fill it, unmodified, with:
+
+    pip download --no-deps --no-binary :all: fairscale==0.4.13   # BSD; then, in peers/:
+    tar xzf fairscale-0.4.13.tar.gz && (cd fairscale-0.4.13 && find fairscale -name '*.py' | tar cf - -T -) | tar xf -
+    # vacancy's Synchronized-BatchNorm-PyTorch (MIT), commit 7553990: its sync_batchnorm/
+    # __init__.py, batchnorm.py, comm.py, replicate.py (and LICENSE) into peers/sync_batchnorm/
 
 Sections, most important first, each in a time box on the GPU (seconds; a section or
 item that would overrun is a 'skipped: time box' row, a failure a 'FAILED' row):
