@@ -59,17 +59,15 @@ class ReplicaSet:
 
     def meet(self, rank: int, round: int, item: Any, combine: Callable[[List[Any]], Any], timeout: float) -> Any:
         """``combine`` of every replica's ``item`` of this ``round``, computed once (by the
-        last to arrive) and returned to each; a replica that failed (``item`` an
-        exception) fails every one of them."""
+        last to arrive) and returned to each. A replica that failed brings its exception
+        as ``item`` (``combine`` decides what the others learn) and raises it."""
         with self.ready:
             self.started = True
             meeting = self.rounds.setdefault(round, {"items": {}, "result": None})
             meeting["items"][rank] = item
             if len(meeting["items"]) == self.size:
-                items = [meeting["items"][r] for r in range(self.size)]
-                failed = next((i for i in items if isinstance(i, BaseException)), None)
                 try:
-                    meeting["result"] = failed if failed is not None else (combine(items),)
+                    meeting["result"] = (combine([meeting["items"][r] for r in range(self.size)]),)
                 except BaseException as e:  # noqa: BLE001 - every replica raises it
                     meeting["result"] = e
                 self.ready.notify_all()
@@ -80,9 +78,9 @@ class ReplicaSet:
                     f"layer within {timeout:g} s (every replica must call the same SyncBN layers in the same order)")
                 self.ready.notify_all()
             result = meeting["result"]
+        if isinstance(item, BaseException):
+            raise item
         if isinstance(result, BaseException):
-            if result is item:
-                raise result
             raise SyncBatchNormError(f"{self.origin.layer_name}: another DataParallel replica failed: "
                                      f"{type(result).__name__}: {result}") from result
         return result[0]
@@ -113,6 +111,15 @@ def forward(layer: nn.Module, x: Tensor) -> Tensor:
     reduce = None if replicas.comm is None else layer._reducer(x, replicas.comm, True)  # over the processes
     round = layer.__dict__["_replica_round"] = layer.__dict__.get("_replica_round", -1) + 1
     state = State()
+
+    def combine(tails: List[Any]) -> Tensor:
+        failed = next((t for t in tails if isinstance(t, BaseException)), None)
+        if failed is not None:
+            if reduce is not None:  # the other processes' step fails with it too (the host path's diagnosis)
+                reduce.fail(f"{type(failed).__name__}: {failed}")
+            raise failed
+        return ReplicaSum.apply(plan, heads, *tails)
+
     try:
         layer._check_input_dim(x)
         plan = Plan(reduce, layer.eps, layer._acc_dtype(x), layer.check_finite)
@@ -122,9 +129,9 @@ def forward(layer: nn.Module, x: Tensor) -> Tensor:
             seed = constant((0.0,) * heads + (1.0,), x.device)
         tail = ReplicaStats.apply(x, plan, seed, state)
     except BaseException as e:  # noqa: BLE001 - every replica fails with it
-        replicas.meet(rank, round, e, None, get_timeout())
+        replicas.meet(rank, round, e, combine, get_timeout())
         raise
-    total = replicas.meet(rank, round, tail, lambda tails: ReplicaSum.apply(plan, heads, *tails), get_timeout())
+    total = replicas.meet(rank, round, tail, combine, get_timeout())
     y, stats, count, flags = ReplicaNorm.apply(x, layer.weight, layer.bias, total.to(x.device), plan, heads, state)
     if rank == 0:  # the module DataParallel keeps gets the flags and the running statistics, once
         replicas.origin._after_step(stats, count, flags, heads)

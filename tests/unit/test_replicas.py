@@ -118,3 +118,23 @@ def test_replica_sets_let_their_layer_go():
     del layer
     gc.collect()
     assert gone() is None
+
+
+def test_bad_input_on_one_replica_fails_every_replica_of_every_process():
+    """2 processes (a thread world, the custom op) of 2 replicas each: process 1's second
+    replica gets 4 channels for 3. It raises its own error; every other replica of both
+    processes a SyncBatchNormError naming the problem (process 0's with the rank), within
+    the timeout."""
+    from conftest import results, run
+
+    def process(rank, comm):
+        layer = SyncBatchNorm(3, name="bad.bn", stats="device", comm=comm)
+        inputs = [torch.randn(2, 3, 4, 4), torch.randn(2, 3 + rank, 4, 4)]
+        return parallel_apply(replicate(layer, 2), inputs)
+
+    with collective_timeout(5.0):
+        (first, second), (third, fourth) = results(run(2, process))
+    assert isinstance(fourth, ValueError) and "bad.bn: expected 3 channels on axis 1, got 4" in str(fourth)
+    for e in (first, second, third):
+        assert isinstance(e, SyncBatchNormError) and "expected 3 channels on axis 1, got 4" in str(e), repr(e)
+    assert "rank 1" in str(first) and "rank 1" in str(second), (first, second)
