@@ -171,6 +171,20 @@ def tensorflow():
 
 
 @pytest.fixture
+def fake_world():
+    """A fake ``torch.distributed`` group of 2 ranks (``torch.testing``'s ``FakeStore``): a
+    world without peers, whose all_reduce leaves each buffer as it is."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture
 def rank_tmp():
     """A temporary folder of this process's own. (pytest's ``tmp_path`` keeps one numbered
     base folder and a ``pytest-current`` link per user, which the ranks of a job race to

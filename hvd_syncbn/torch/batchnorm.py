@@ -199,7 +199,8 @@ class SyncBatchNorm(_BatchNorm):
         self._mean_guess: Optional[Tensor] = None  # last global batch mean (see kernels.host_moments)
         like = next((t for t in (self.weight, self.running_mean) if t is not None), None)
         self.register_buffer("_sync_errors", torch.zeros(len(deferred.SLOTS), dtype=torch.bool,
-                                                         device=None if like is None else like.device), persistent=False)
+                                                         device=None if like is None else like.device),
+                             persistent=False)
         self._register()
 
     def _register(self) -> None:
@@ -292,7 +293,8 @@ class SyncBatchNorm(_BatchNorm):
                 if self.check_finite:
                     updated &= ~flags[-1]
                 mean, var = stats.unbind()
-                self._running_update(mean, torch.addcdiv(var, var, count[0] + 1.0, value=-1.0), updated)  # var·N/(N−1)
+                unbiased = torch.addcdiv(var, var, count[0] + 1.0, value=-1.0)  # var·N/(N−1)
+                self._running_update(mean, unbiased, updated)
 
     def _running_update(self, mean: Tensor, var: Tensor, updated: Tensor) -> None:
         """Count the batch and move the running statistics toward ``mean`` and the unbiased

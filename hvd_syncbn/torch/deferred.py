@@ -31,7 +31,8 @@ def asserts() -> bool:
     """Whether the deferred checks also assert at the step (``$HVD_SYNCBN_DEVICE_ASSERT=1``),
     with ``torch._assert_async``: a debug mode, since on CUDA a failed assert loses its
     message and leaves the CUDA context unusable."""
-    return env_flag(ASSERT_ENV, False, "errors deferred to check(), the default", "also assert at the step, for debugging")
+    return env_flag(ASSERT_ENV, False, "errors deferred to check(), the default",
+                    "also assert at the step, for debugging")
 
 
 def record(name: str, seen: Tensor, flags: Tensor, heads: int) -> None:

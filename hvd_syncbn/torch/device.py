@@ -76,8 +76,8 @@ def constant(values: Tuple[float, ...], device: torch.device) -> Tensor:
 def seeds(reduce: Any, direction: str, device: torch.device) -> Tuple[Tensor, Tensor]:
     """The head of ``direction``'s buffer (the header, then the count's 1 forward) and
     what the ranks' sum of it must be (the header times the world size, then ``−1``: a
-    global batch of one row)."""
-    head = reduce.head(direction)
+    global batch of one row); ``reduce`` ``None``: no header (nothing crosses processes)."""
+    head = () if reduce is None else reduce.head(direction)
     expected = tuple(reduce.size * h for h in head)
     if direction == "fwd":
         head, expected = head + (1.0,), expected + (-1.0,)
@@ -113,6 +113,51 @@ def normalize(x: Tensor, scale: Optional[Tensor], offset: Optional[Tensor], mean
     return torch.ops.aten._native_batch_norm_legit_no_training(x, scale, offset, mean, var, 0.0, eps)[0]
 
 
+def global_stats(out: Tensor, expected: Tensor, plan: "Plan") -> Tuple[Tensor, Tensor, Tensor]:
+    """From the summed forward buffer ``out`` (``[W·header | −N | −Σx | −Σx²]``) and what its
+    head must be (``expected``, of :func:`seeds`): the global
+    ``(mean, biased var)`` as a ``(2, C)`` tensor in ``plan.acc``, ``−max(N, 1)`` (NaN after
+    a header mismatch) and the step's flags (a mismatch per header value, a global batch
+    of one row, then non-finite statistics with ``check_finite``)."""
+    heads = expected.numel() - 1
+    flags = torch.ne(out[:heads + 1], expected)  # [header mismatch (H), N != 1]
+    count = out[heads:heads + 1]
+    nan = constant((NAN,), out.device)
+    count = (torch.where(flags[:heads].any(), nan, count) if heads else count).clamp_max(-1.0)
+    moments = out[heads + 1:].view(2, -1) / count  # [mean, E[x²]]
+    mean, square = moments.unbind()
+    square.addcmul_(mean, mean, value=-1.0).clamp_min_(0.0)  # biased var
+    flags[heads:].logical_not_()  # N == 1: a global batch of one row
+    if plan.check_finite:
+        flags = torch.cat([flags, torch.isfinite(moments).all().logical_not().view(1)])
+    return cast(moments, plan.acc), count, flags
+
+
+def grad_sums(dy: Tensor, x: Tensor, weight: Optional[Tensor], stats: Tensor, plan: "Plan",
+              needs: Tuple[bool, bool]) -> Tuple[Tuple[Tensor, Tensor], Tensor, list]:
+    """This rank's ``(Σdy, Σdy·x̂)`` (accumulation dtype), ``k = γ·invstd``, and the
+    gradients of ``γ`` and ``β`` where ``needs`` them (local: the optimizer sums them)."""
+    mean, var = stats.unbind()
+    invstd = torch.rsqrt(var + plan.eps)
+    gamma = ones(x.shape[1], plan.acc, x.device) if weight is None else cast(weight, plan.acc)
+    if x.numel() == 0:  # zeros from dy (the CPU kernel divides by the rows); constants would let a compiler
+        sum_dy_xhat = sum_dy = dy.sum(reduced_dims(x), dtype=plan.acc)  # move the collective before the data
+    else:
+        _, sum_dy_xhat, sum_dy = torch.ops.aten.native_batch_norm_backward(
+            dy, x, gamma, None, None, mean, invstd, True, plan.eps, [False, True, True])
+    grads = [cast(s, weight.dtype) if weight is not None and need else None
+             for s, need in zip((sum_dy_xhat, sum_dy), needs)]
+    return (sum_dy, sum_dy_xhat), invstd if weight is None else invstd * gamma, grads
+
+
+def input_grad_terms(x: Tensor, sums: Tensor, k: Tensor, count: Tensor, stats: Tensor, plan: "Plan") -> Tensor:
+    """``s·x̂ + t`` of :func:`~hvd_syncbn.backend.input_grad_coeffs` from the global
+    ``[Σdy | Σdy·x̂]`` (``sums``, ``(2C,)``) and ``count`` (``−N``, or one per header value,
+    NaN where it mismatched), by the native inference kernel."""
+    t, s = cast(sums.view(2, -1) * (k / count.view(-1, 1)), plan.acc).unbind()  # −k·[Σdy, Σdy·x̂]/N
+    return normalize(x, s, t, *stats.unbind(), plan.eps)
+
+
 class Plan(NamedTuple):
     """What a device-path call needs besides tensors: the summing ``reduce`` (with its
     ``head(direction)`` and ``size``), ``eps``, the accumulation dtype and ``check_finite``."""
@@ -133,19 +178,8 @@ class DeviceFunction(torch.autograd.Function):
     def forward(ctx, x, weight, bias, plan: Plan):  # noqa: D401 - autograd API
         ctx.set_materialize_grads(False)
         seed, expected = seeds(plan.reduce, "fwd", x.device)
-        heads, channels = seed.numel() - 1, x.shape[1]
-        out = plan.reduce(local_buffer(x, seed, plan.acc)[channels:], "fwd")  # [W·header | −N | −Σx | −Σx²]
-        flags = torch.ne(out[:heads + 1], expected)  # [header mismatch (H), N != 1]
-        count = out[heads:heads + 1]
-        nan = constant((NAN,), x.device)
-        count = (torch.where(flags[:heads].any(), nan, count) if heads else count).clamp_max(-1.0)
-        moments = out[heads + 1:].view(2, channels) / count  # [mean, E[x²]]
-        mean, square = moments.unbind()
-        square.addcmul_(mean, mean, value=-1.0).clamp_min_(0.0)  # biased var
-        flags[heads:].logical_not_()  # N == 1: a global batch of one row
-        if plan.check_finite:
-            flags = torch.cat([flags, torch.isfinite(moments).all().logical_not().view(1)])
-        stats = cast(moments, plan.acc)
+        out = plan.reduce(local_buffer(x, seed, plan.acc)[x.shape[1]:], "fwd")  # [W·header | −N | −Σx | −Σx²]
+        stats, count, flags = global_stats(out, expected, plan)
         y = normalize(x, cast(weight, plan.acc), cast(bias, plan.acc), *stats.unbind(), plan.eps)
         ctx.save_for_backward(x, weight, stats, count)
         ctx.plan = plan
@@ -156,18 +190,9 @@ class DeviceFunction(torch.autograd.Function):
     @once_differentiable  # the sums are taken outside autograd: a second derivative would be silently wrong
     def backward(ctx, dy, *_):
         x, weight, stats, count = ctx.saved_tensors
-        plan, channels = ctx.plan, x.shape[1]
+        plan = ctx.plan
         dy = torch.zeros_like(x) if dy is None else dy
-        mean, var = stats.unbind()
-        invstd = torch.rsqrt(var + plan.eps)
-        gamma = ones(channels, plan.acc, x.device) if weight is None else cast(weight, plan.acc)
-        if x.numel() == 0:  # zeros from dy (the CPU kernel divides by the rows); constants would let a compiler
-            sum_dy_xhat = sum_dy = dy.sum(reduced_dims(x), dtype=plan.acc)  # move the collective before the data
-        else:
-            _, sum_dy_xhat, sum_dy = torch.ops.aten.native_batch_norm_backward(
-                dy, x, gamma, None, None, mean, invstd, True, plan.eps, [False, True, True])
-        grads = [cast(s, weight.dtype) if weight is not None and need else None
-                 for s, need in ((sum_dy_xhat, ctx.needs_input_grad[1]), (sum_dy, ctx.needs_input_grad[2]))]
+        (sum_dy, sum_dy_xhat), k, grads = grad_sums(dy, x, weight, stats, plan, ctx.needs_input_grad[1:3])
         if not ctx.needs_input_grad[0]:
             return None, *grads, None
         seed, expected = seeds(plan.reduce, "bwd", x.device)
@@ -177,8 +202,5 @@ class DeviceFunction(torch.autograd.Function):
         out = plan.reduce(buf, "bwd")  # [W·header | ΣΣdy | ΣΣdy·x̂]
         nan = constant((NAN,), x.device)
         count = torch.where(torch.ne(out[:heads], expected), nan, count) if heads else count  # (H or 1,)
-        k = invstd if weight is None else invstd * gamma
-        coeffs = cast(out[heads:].view(2, channels) * (k / count.view(-1, 1)), plan.acc)  # [t, s] = −k·[Σdy, Σdy·x̂]/N
-        t, s = coeffs.unbind()
-        dx = normalize(x, s, t, mean, var, plan.eps)  # s·x̂ + t
+        dx = input_grad_terms(x, out[heads:], k, count, stats, plan)
         return dx.addcmul_(dy, per_channel(cast(k, dx.dtype), x)), *grads, None

@@ -38,7 +38,9 @@ from torch import Tensor, nn
 from torch.autograd.function import once_differentiable
 
 from hvd_syncbn.comm import SyncBatchNormError, get_timeout
-from hvd_syncbn.torch.device import NAN, Plan, cast, constant, local_buffer, normalize, ones, seeds
+from hvd_syncbn.torch.device import (
+    NAN, Plan, cast, constant, global_stats, grad_sums, input_grad_terms, local_buffer, normalize, seeds,
+)
 from hvd_syncbn.torch.kernels import per_channel
 
 _forming: "weakref.WeakKeyDictionary[nn.Module, ReplicaSet]" = weakref.WeakKeyDictionary()
@@ -123,8 +125,8 @@ def forward(layer: nn.Module, x: Tensor) -> Tensor:
     try:
         layer._check_input_dim(x)
         plan = Plan(reduce, layer.eps, layer._acc_dtype(x), layer.check_finite)
-        heads = len(reduce.head("fwd")) if reduce is not None else 0
-        seed = seeds(reduce, "fwd", x.device)[0] if reduce is not None else constant((1.0,), x.device)
+        seed = seeds(reduce, "fwd", x.device)[0]
+        heads = seed.numel() - 1
         if rank > 0 and heads:  # the header once per process: the others add zeros
             seed = constant((0.0,) * heads + (1.0,), x.device)
         tail = ReplicaStats.apply(x, plan, seed, state)
@@ -152,10 +154,8 @@ class ReplicaStats(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, sums):
-        (x,), plan, state, channels = ctx.saved_tensors, ctx.plan, ctx.state, ctx.saved_tensors[0].shape[1]
-        coeffs = cast(sums[ctx.heads + 1:].view(2, channels) * (state.k / state.count.view(-1, 1)), plan.acc)
-        t, s = coeffs.unbind()  # −k·[Σdy, Σdy·x̂]/N
-        return normalize(x, s, t, *state.stats.unbind(), plan.eps), None, None, None
+        (x,), state = ctx.saved_tensors, ctx.state
+        return input_grad_terms(x, sums[ctx.heads + 1:], state.k, state.count, state.stats, ctx.plan), None, None, None
 
 
 class ReplicaSum(torch.autograd.Function):
@@ -191,43 +191,21 @@ class ReplicaNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, out, plan: Plan, heads: int, state: State):  # noqa: D401 - autograd API
         ctx.set_materialize_grads(False)
-        channels = x.shape[1]
-        expected = seeds(plan.reduce, "fwd", x.device)[1] if plan.reduce is not None else \
-            constant((-1.0,), x.device)
-        flags = torch.ne(out[:heads + 1], expected)
-        count = out[heads:heads + 1]
-        count = (torch.where(flags[:heads].any(), constant((NAN,), x.device), count) if heads else count
-                 ).clamp_max(-1.0)
-        moments = out[heads + 1:].view(2, channels) / count
-        mean, square = moments.unbind()
-        square.addcmul_(mean, mean, value=-1.0).clamp_min_(0.0)
-        flags[heads:].logical_not_()
-        if plan.check_finite:
-            flags = torch.cat([flags, torch.isfinite(moments).all().logical_not().view(1)])
-        state.stats, state.count = cast(moments, plan.acc), count
+        state.stats, state.count, flags = global_stats(out, seeds(plan.reduce, "fwd", x.device)[1], plan)
         y = normalize(x, cast(weight, plan.acc), cast(bias, plan.acc), *state.stats.unbind(), plan.eps)
         ctx.save_for_backward(x, weight)
         ctx.plan, ctx.state, ctx.heads = plan, state, heads
-        ctx.mark_non_differentiable(state.stats, count, flags)
-        return y, state.stats, count, flags
+        ctx.mark_non_differentiable(state.stats, state.count, flags)
+        return y, state.stats, state.count, flags
 
     @staticmethod
     @once_differentiable
     def backward(ctx, dy, *_):
         x, weight = ctx.saved_tensors
-        plan, state, channels = ctx.plan, ctx.state, x.shape[1]
+        state = ctx.state
         dy = torch.zeros_like(x) if dy is None else dy
-        mean, var = state.stats.unbind()
-        invstd = torch.rsqrt(var + plan.eps)
-        gamma = ones(channels, plan.acc, x.device) if weight is None else cast(weight, plan.acc)
-        if x.numel() == 0:
-            sum_dy_xhat = sum_dy = dy.sum([0, *range(2, x.dim())], dtype=plan.acc)
-        else:
-            _, sum_dy_xhat, sum_dy = torch.ops.aten.native_batch_norm_backward(
-                dy, x, gamma, None, None, mean, invstd, True, plan.eps, [False, True, True])
-        grads = [cast(s, weight.dtype) if weight is not None and need else None
-                 for s, need in ((sum_dy_xhat, ctx.needs_input_grad[1]), (sum_dy, ctx.needs_input_grad[2]))]
-        state.k = invstd if weight is None else invstd * gamma
+        needs = ctx.needs_input_grad[1:3]
+        (sum_dy, sum_dy_xhat), state.k, grads = grad_sums(dy, x, weight, state.stats, ctx.plan, needs)
         dx = dy * per_channel(cast(state.k, dy.dtype), x) if ctx.needs_input_grad[0] else None
         zeros = constant((0.0,) * (ctx.heads + 1), x.device)
         return dx, *grads, torch.cat([zeros, sum_dy, sum_dy_xhat]), None, None, None

@@ -9,13 +9,16 @@ concatenated batch, at 2 and 3 replicas, with unequal and empty slices.
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
 from torch import nn  # noqa: E402
 
-from conftest import collective_timeout  # noqa: E402
+from conftest import collective_timeout, results, run  # noqa: E402
 from data_parallel import net, parallel_apply, replicate  # noqa: E402
 from hvd_syncbn import SyncBatchNormError  # noqa: E402
 from hvd_syncbn.torch import SyncBatchNorm, check  # noqa: E402
@@ -109,9 +112,6 @@ def test_deferred_checks_and_check_finite_hold_across_replicas():
 
 def test_replica_sets_let_their_layer_go():
     """The set of replicas being formed does not keep its layer alive."""
-    import gc
-    import weakref
-
     layer = SyncBatchNorm(3, stats="device")
     replicate(layer, 2)
     gone = weakref.ref(layer)
@@ -125,8 +125,6 @@ def test_bad_input_on_one_replica_fails_every_replica_of_every_process():
     replica gets 4 channels for 3. It raises its own error; every other replica of both
     processes a SyncBatchNormError naming the problem (process 0's with the rank), within
     the timeout."""
-    from conftest import results, run
-
     def process(rank, comm):
         layer = SyncBatchNorm(3, name="bad.bn", stats="device", comm=comm)
         inputs = [torch.randn(2, 3, 4, 4), torch.randn(2, 3 + rank, 4, 4)]

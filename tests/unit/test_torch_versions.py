@@ -14,12 +14,10 @@ from __future__ import annotations
 import pytest
 
 torch = pytest.importorskip("torch")
-import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 from torch.nn import init  # noqa: E402
 from torch.nn.modules.batchnorm import _BatchNorm, _NormBase  # noqa: E402
-from torch.testing._internal.distributed.fake_pg import FakeStore  # noqa: E402
 
 from conftest import collective_timeout, results, run  # noqa: E402
 from hvd_syncbn.torch import SyncBatchNorm, check, convert_sync_batchnorm  # noqa: E402
@@ -102,7 +100,7 @@ def test_converts_and_steps_without_the_bias_keyword(old_signatures, stats, bias
         torch.testing.assert_close(g[4], var)
 
 
-def test_compile_resolves_the_communicator_from_constants_only(monkeypatch):
+def test_compile_resolves_the_communicator_from_constants_only(fake_world, monkeypatch):
     """A compiled step asks for its layers' communicators through a function Dynamo treats
     as a constant, with Python constants only (the layer's id, not the layer)."""
     seen = []
@@ -113,12 +111,10 @@ def test_compile_resolves_the_communicator_from_constants_only(monkeypatch):
         return real(layer_id, nccl)
 
     monkeypatch.setattr(batchnorm, "_traced_index", torch.compiler.assume_constant_result(spy))
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    model = convert_sync_batchnorm(nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU()))
+    torch._dynamo.reset()
     try:
-        model = convert_sync_batchnorm(nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU()))
-        torch._dynamo.reset()
         torch.compile(model, backend="aot_eager", fullgraph=True)(torch.randn(2, 3, 6, 6)).sum().backward()
     finally:
         torch._dynamo.reset()
-        dist.destroy_process_group()
     assert seen and set(seen) == {(int, bool)}, seen
