@@ -215,9 +215,11 @@ def test_torch_device_kernel_matches_reference(layout, dtype, kind):
     assert n.tolist() == count.tolist()
     got_mean, ex2 = sums / n.clamp_min(1)  # no rows: zeros
     tol = KERNEL_TOL["float64"] if dtype == "float64" else dict(mean_rtol=0.0, mean_atol=1e-5, var_rtol=1e-5)
-    # The buffer holds var + mean², which loses 1e-16·(mean/std)² of var in float64 (backend's Accuracy note).
+    # The buffer holds var + mean², so reading var back loses float64 roundoff u times (mean/std)² (backend's
+    # Accuracy note): at most 4u·(mean/std)² from rounding mean, mean², var + mean² and the difference; measured
+    # here at most 1.2u·(mean/std)² (offset 1e4).
     offset = float(np.nanmax(np.asarray(mean) ** 2 / np.maximum(np.asarray(var), 1e-300), initial=0.0))
-    tol["var_rtol"] = max(tol["var_rtol"], 2e-16 * offset)
+    tol["var_rtol"] = max(tol["var_rtol"], 4 * (np.finfo(np.float64).eps / 2) * offset)
     assert_moments((got_mean, ex2 - got_mean * got_mean), (mean, var), f"torch device {layout} {dtype} {kind}",
                    **tol)
 
