@@ -18,7 +18,10 @@ item that would overrun is a 'skipped: time box' row, a failure a 'FAILED' row):
 1. per layer (45): forward+backward of one BN layer, 8 shapes x float32/bfloat16 input
    (float32 parameters): cuDNN (``nn.BatchNorm2d``), torch's SyncBN Function, fairscale's
    SyncBN and ours (``stats="device"``), all over the 1-rank NCCL group; goals ours <= 1.0x
-   torch, <= 0.6x fairscale, <= 1.5x cuDNN where the input is >= 25 MB;
+   torch, <= 0.6x fairscale, <= 1.5x cuDNN where the input is >= 25 MB; ours' host time to
+   queue a step besides (a step that takes about its host time is host-bound);
+   then (10) kernel launches and memory copies per layer step, ours, torch's, cuDNN's
+   (the profiler; where the host time goes);
 2. training steps (130): torchvision ResNet-50 (channels-first) and ResNet-18
    (channels-last), batch 32 at 224, plain BN against converted, eager and
    ``torch.compile(fullgraph=True)``: ms per step, first compiled step, peak memory; goals
@@ -81,7 +84,7 @@ from hvd_syncbn.torch.transports import TorchDistComm  # noqa: E402
 SHAPES = [(8, 64, 56, 56), (2, 256, 64, 64), (8, 512, 28, 28), (4, 2048, 7, 7), (2, 64, 128, 128),
           (32, 64, 112, 112), (32, 256, 56, 56), (64, 2048, 7, 7)]
 STEPS, REPEATS, WARMUP = 50, 5, 3
-BUDGET_S = {"per layer": 45, "training steps": 130, "host syncs": 15, "CUDA graphs": 40, "DataParallel": 30,
+BUDGET_S = {"per layer": 45, "launches": 10, "training steps": 130, "host syncs": 15, "CUDA graphs": 40, "DataParallel": 30,
             "2 processes, spawned": 25, "2 processes, mpirun": 60, "private group, 1 rank": 15}
 TOTAL_S = 330  # the sections' boxes end here on the GPU: 6 minutes with room for start-up and an overrun
 ROWS: list = []
@@ -105,9 +108,10 @@ def sync(device) -> None:
 
 
 def ms_per_step(step, device, at_most_s: float, steps: int = STEPS) -> tuple:
-    """(median ms per step, steps per repeat): ``REPEATS`` times ``steps`` calls of
-    ``step()`` between two events, after ``WARMUP`` calls; fewer steps where the repeats
-    would take more than ``at_most_s`` (from the last warm-up step)."""
+    """(median ms per step, steps per repeat, median host ms per step): ``REPEATS`` times
+    ``steps`` calls of ``step()`` between two events, after ``WARMUP`` calls; fewer steps
+    where the repeats would take more than ``at_most_s`` (from the last warm-up step). The
+    host time is what queuing a step took: near the step's time, the step is host-bound."""
     for _ in range(WARMUP):
         sync(device)
         start = time.perf_counter()
@@ -116,23 +120,22 @@ def ms_per_step(step, device, at_most_s: float, steps: int = STEPS) -> tuple:
     one = time.perf_counter() - start
     if at_most_s < math.inf:
         steps = max(5, min(steps, int(at_most_s / (REPEATS * one))))
-    times = []
+    times, host = [], []
     for _ in range(REPEATS):
         sync(device)
-        if device.type == "cuda":
+        cuda = device.type == "cuda"
+        if cuda:
             begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             begin.record()
-            for _ in range(steps):
-                step()
+        start = time.perf_counter()
+        for _ in range(steps):
+            step()
+        host.append(1e3 * (time.perf_counter() - start) / steps)
+        if cuda:
             end.record()
             end.synchronize()
-            times.append(begin.elapsed_time(end) / steps)
-        else:
-            start = time.perf_counter()
-            for _ in range(steps):
-                step()
-            times.append(1e3 * (time.perf_counter() - start) / steps)
-    return statistics.median(times), steps
+        times.append(begin.elapsed_time(end) / steps if cuda else host[-1])
+    return statistics.median(times), steps, statistics.median(host)
 
 
 def goal(ratio: float, limit: float) -> str:
@@ -198,8 +201,9 @@ def per_layer(device, shapes, until: float) -> None:
                     def step(layer=layer, args=args, grad=grad):
                         torch.autograd.grad(layer(args[0]), args, grad)
 
-                    ms[name], steps = ms_per_step(step, device, share if cuda else math.inf, STEPS if cuda else 2)
-                    cells.append(f"{name} {ms[name]:.3f}")
+                    ms[name], steps, host = ms_per_step(step, device, share if cuda else math.inf,
+                                                        STEPS if cuda else 2)
+                    cells.append(f"{name} {ms[name]:.3f}" + (f" (host {host:.3f})" if name == "ours" else ""))
                     if cuda and steps < STEPS:
                         fewer.add(steps)
                 except Exception as e:  # noqa: BLE001 - a cell that says why
@@ -212,6 +216,49 @@ def per_layer(device, shapes, until: float) -> None:
                       f"ours/cuDNN {ours / ms['cuDNN']:.2f}x" if "cuDNN" in ms else ""]
             note = f" ({min(fewer)} steps/repeat)" if fewer else ""
             row("fwd+bwd per layer", setting, f"{', '.join(cells)} ms{note}; {', '.join(r for r in ratios if r)}")
+
+
+def launches(device, steps: int = 5) -> None:
+    """What one layer step launches, from the profiler, ours against torch's SyncBN Function
+    and cuDNN: kernel launches and memory copies per step on the GPU (host time per step is
+    about their count times the launch cost); the dry run counts the top-level aten ops."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.type == "cuda"
+    shape = SHAPES[0] if cuda else (2, 8, 8, 8)
+    x = torch.randn(shape, device=device, requires_grad=True)
+    dy = torch.randn_like(x)
+    makers = {"ours": lambda c: SyncBatchNorm(c, stats="device"), "torch": torch_syncbn, "cuDNN": nn.BatchNorm2d}
+    cells = []
+    for name, make in makers.items():
+        if name == "torch" and not cuda:
+            continue
+        layer = make(shape[1]).to(device)
+
+        def step(layer=layer):
+            torch.autograd.grad(layer(x), (x, layer.weight, layer.bias), dy)
+
+        step()
+        sync(device)
+        with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+            for _ in range(steps):
+                step()
+            sync(device)
+        events = prof.events()
+        if cuda:
+            launched = sum("LaunchKernel" in e.name for e in events) / steps
+            copies = sum("Memcpy" in e.name and e.device_type != torch.autograd.DeviceType.CUDA for e in events) / steps
+            cells.append(f"{name} {launched:.0f} launches, {copies:.0f} copies")
+        else:
+            def top(e):
+                while e.cpu_parent is not None:
+                    e = e.cpu_parent
+                    if e.name.startswith("aten::"):
+                        return False
+                return True
+
+            cells.append(f"{name} {sum(e.name.startswith('aten::') and top(e) for e in events) / steps:.0f} aten ops")
+    row("launches per layer step", f"{tuple(shape)} float32, {steps} steps", ", ".join(cells))
 
 
 @functools.lru_cache(maxsize=None)
@@ -243,7 +290,8 @@ def training_step(model, opt, x, target):
 
 
 def one_config(name: str, ours: bool, compiled: bool, device, batch: int, size: int, at_most_s: float) -> tuple:
-    """(ms per step, steps per repeat, first step s, peak bytes) of one model's training step."""
+    """(ms per step, steps per repeat, host ms per step, first step s, peak bytes) of one
+    model's training step."""
     cuda = device.type == "cuda"
     torch._dynamo.reset()  # the last compiled model's graphs and weights go
     gc.collect()
@@ -264,8 +312,9 @@ def one_config(name: str, ours: bool, compiled: bool, device, batch: int, size: 
     training_step(model, opt, x, target)  # the compile, when compiled
     sync(device)
     first = time.perf_counter() - start
-    ms, steps = ms_per_step(lambda: training_step(model, opt, x, target), device, at_most_s, STEPS if cuda else 2)
-    return ms, steps, first, torch.cuda.max_memory_allocated() if cuda else 0
+    ms, steps, host = ms_per_step(lambda: training_step(model, opt, x, target), device, at_most_s,
+                                  STEPS if cuda else 2)
+    return ms, steps, host, first, torch.cuda.max_memory_allocated() if cuda else 0
 
 
 def training_steps(device, batch: int, size: int, until: float) -> None:
@@ -285,12 +334,12 @@ def training_steps(device, batch: int, size: int, until: float) -> None:
             continue
         try:
             at_most_s = 10 if cuda else math.inf
-            o_ms, o_steps, o_first, o_peak = one_config(name, True, compiled, device, batch, size, at_most_s)
+            o_ms, o_steps, o_host, o_first, o_peak = one_config(name, True, compiled, device, batch, size, at_most_s)
             if time.time() + o_first + 10 > until:  # plain's compile about as long as ours'
                 row("training step", setting,
                     f"ours {o_ms:.1f} ms, first step {o_first:.1f} s; plain skipped: time box")
                 continue
-            p_ms, p_steps, p_first, p_peak = one_config(name, False, compiled, device, batch, size, at_most_s)
+            p_ms, p_steps, p_host, p_first, p_peak = one_config(name, False, compiled, device, batch, size, at_most_s)
         except Exception as e:  # noqa: BLE001 - reported in the table
             row("training step", setting, f"FAILED: {type(e).__name__}: {str(e).splitlines()[0][:80]}")
             continue
@@ -299,7 +348,7 @@ def training_steps(device, batch: int, size: int, until: float) -> None:
         limit = {("ResNet-50", False): 1.5, ("ResNet-18", True): 1.15}.get((name, compiled))
         ratio = goal(o_ms / p_ms, limit) if limit else f"{o_ms / p_ms:.2f}x"
         note = f" ({min(o_steps, p_steps)} steps/repeat)" if cuda and min(o_steps, p_steps) < STEPS else ""
-        result = f"ours {o_ms:.1f} ms, plain {p_ms:.1f} ms{note}: {ratio}"
+        result = f"ours {o_ms:.1f} ms (host {o_host:.1f}), plain {p_ms:.1f} ms (host {p_host:.1f}){note}: {ratio}"
         if compiled:
             first = goal(o_first / p_first, 2.0) if name == "ResNet-18" else f"{o_first / p_first:.2f}x"
             result += f"; first step {o_first:.1f} s vs {p_first:.1f} s: {first}"
@@ -456,7 +505,7 @@ def data_parallel(device, until: float) -> None:
                 continue
             try:
                 layer = make(shape[1])
-                ms[name], _ = ms_per_step(lambda: torch.autograd.grad(layer(x), (x,), dy), device, share)
+                ms[name] = ms_per_step(lambda: torch.autograd.grad(layer(x), (x,), dy), device, share)[0]
                 cells.append(f"{name} {ms[name]:.3f}")
             except Exception as e:  # noqa: BLE001 - a cell that says why
                 cells.append(f"{name} FAILED ({type(e).__name__}: {str(e).splitlines()[0][:40]})")
@@ -651,6 +700,7 @@ def main() -> None:
         force(TorchDistComm(None))
         shapes = SHAPES if cuda else [(2, s[1] // 8, 8, 8) for s in SHAPES]
         section("per layer", cuda, end, per_layer, device, shapes, boxed=True)
+        section("launches", cuda, end, launches, device)
         section("training steps", cuda, end, training_steps, device, *((32, 224) if cuda else (2, 32)), boxed=True)
         section("host syncs", cuda, end, no_sync, device, 224 if cuda else 32)
         section("CUDA graphs", cuda, end, lambda: (cuda_graph(device), compiled_graph(device)))
