@@ -24,7 +24,9 @@ Functions per layer and step:
 - :class:`ReplicaStats`, whose backward adds ``s·x̂ + t`` to ``x``'s gradient
   (:func:`~hvd_syncbn.backend.input_grad_coeffs`).
 
-Replicas run eagerly (``torch.compile`` cannot trace the meeting of threads).
+Replicas run eagerly: under ``torch.compile`` the layer is a graph break
+(``torch.compiler.disable``; with ``fullgraph=True`` Dynamo raises, saying so), as
+``torch.compile`` cannot trace the meeting of threads.
 """
 
 from __future__ import annotations
@@ -107,8 +109,11 @@ class State:
     k: Tensor
 
 
+@torch.compiler.disable(reason="SyncBatchNorm under nn.DataParallel: its replicas meet in threads, which "
+                                "torch.compile cannot trace; the layer runs eagerly, a graph break "
+                                "(compile without fullgraph=True)")
 def forward(layer: nn.Module, x: Tensor) -> Tensor:
-    """A replica's synchronized forward."""
+    """A replica's synchronized forward, eager under ``torch.compile`` (a graph break)."""
     replicas, rank = layer._replicas, layer._replica_rank
     reduce = None if replicas.comm is None else layer._reducer(x, replicas.comm, True)  # over the processes
     round = layer.__dict__["_replica_round"] = layer.__dict__.get("_replica_round", -1) + 1

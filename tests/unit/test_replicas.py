@@ -59,6 +59,38 @@ def test_replicas_equal_one_process_on_the_concatenated_batch(copies, pattern):
         check(ours)
 
 
+def test_compiled_replicas_break_the_graph_at_the_layer():
+    """``torch.compile`` of each replica (``aot_eager``): the layer runs eagerly, a graph
+    break, and a step equals float64 plain BN on the whole batch as the eager replicas do;
+    with ``fullgraph=True`` Dynamo raises, saying why."""
+    import torch._dynamo
+
+    sizes = shard_sizes(UNEQUAL, 2)
+    ours, plain = net(True), net(False)
+    x = torch.from_numpy(global_batch(0, sum(sizes), (3, 6, 6), offset=2.0))
+    xs = [x[shard_slice(sizes, r)].clone().requires_grad_() for r in range(2)]
+    try:
+        with collective_timeout(20.0):
+            ys = parallel_apply([torch.compile(r, backend="aot_eager") for r in replicate(ours, 2)], xs)
+            torch._dynamo.reset()  # else the graph-broken code is reused as it is
+            failed = parallel_apply([torch.compile(r, backend="aot_eager", fullgraph=True)
+                                     for r in replicate(ours, 2)], xs)
+    finally:
+        torch._dynamo.reset()
+    for y in ys:
+        if isinstance(y, BaseException):
+            raise y
+    sum(y.square().sum() for y in ys).backward()
+    xd = x.double().requires_grad_()
+    yd = plain(xd)
+    yd.square().sum().backward()
+    assert_close(torch.cat([y.detach() for y in ys]), yd.detach(), "y", rtol=1e-4, atol=1e-4)
+    assert_close(torch.cat([x.grad for x in xs]), xd.grad, "x.grad", rtol=1e-4, atol=1e-4)
+    assert_close(ours[1].running_mean, plain[1].running_mean, "running_mean", rtol=1e-5, atol=1e-5)
+    for e in failed:
+        assert isinstance(e, Exception) and "SyncBatchNorm under nn.DataParallel" in str(e), repr(e)
+
+
 @pytest.mark.parametrize("copies", [2, 3])
 def test_bad_input_on_one_replica_fails_every_replica(copies):
     """The last replica feeds 4 channels to a 3-channel layer: it raises its own error,
