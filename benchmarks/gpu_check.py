@@ -21,7 +21,9 @@ item that would overrun is a 'skipped: time box' row, a failure a 'FAILED' row):
    torch, <= 0.6x fairscale, <= 1.5x cuDNN where the input is >= 25 MB; ours' host time to
    queue a step besides (a step that takes about its host time is host-bound);
    then (10) kernel launches and memory copies per layer step, ours, torch's, cuDNN's
-   (the profiler; where the host time goes);
+   (the profiler; where the host time goes); then (15) the passes over the input, ours
+   (generic ops) against torch's fused CUDA-only kernels for the same work, where the
+   input is >= 25 MB (what a CUDA path of its own would gain);
 2. training steps (130): torchvision ResNet-50 (channels-first) and ResNet-18
    (channels-last), batch 32 at 224, plain BN against converted, eager and
    ``torch.compile(fullgraph=True)``: ms per step, first compiled step, peak memory; goals
@@ -78,13 +80,15 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.append(str(ROOT / "peers"))  # fairscale and vacancy's sync_batchnorm, where fetched (peers/README)
 from hvd_syncbn.torch import SyncBatchNorm, convert_sync_batchnorm  # noqa: E402
+from hvd_syncbn.torch.device import normalize  # noqa: E402
+from hvd_syncbn.torch.kernels import per_channel, reduced_dims  # noqa: E402
 from hvd_syncbn.torch.transports import TorchDistComm  # noqa: E402
 
 # (N, C, H, W): ResNet-50 stages and a segmentation decoder at per-GPU batches, then at batch 32/64.
 SHAPES = [(8, 64, 56, 56), (2, 256, 64, 64), (8, 512, 28, 28), (4, 2048, 7, 7), (2, 64, 128, 128),
           (32, 64, 112, 112), (32, 256, 56, 56), (64, 2048, 7, 7)]
 STEPS, REPEATS, WARMUP = 50, 5, 3
-BUDGET_S = {"per layer": 45, "launches": 10, "training steps": 130, "host syncs": 15, "CUDA graphs": 40, "DataParallel": 30,
+BUDGET_S = {"per layer": 45, "launches": 10, "passes over the input": 15, "training steps": 130, "host syncs": 15, "CUDA graphs": 40, "DataParallel": 30,
             "2 processes, spawned": 25, "2 processes, mpirun": 60, "private group, 1 rank": 15}
 TOTAL_S = 330  # the sections' boxes end here on the GPU: 6 minutes with room for start-up and an overrun
 ROWS: list = []
@@ -259,6 +263,51 @@ def launches(device, steps: int = 5) -> None:
 
             cells.append(f"{name} {sum(e.name.startswith('aten::') and top(e) for e in events) / steps:.0f} aten ops")
     row("launches per layer step", f"{tuple(shape)} float32, {steps} steps", ", ".join(cells))
+
+
+def kernel_choices(device, until: float) -> None:
+    """The passes over the input of a layer step, as ours makes them (generic ops, the
+    same on every device) against torch's fused CUDA-only kernels for the same work, where
+    the input is >= 25 MB: what a CUDA path of its own would gain. Statistics: the shifted
+    moments (``x - shift``, ``var_mean``) against ``batch_norm_stats`` (Welford, float32
+    means: not float64-grade at large offsets); the local gradient sums: the native
+    backward's against ``batch_norm_backward_reduce``; ``dx``: the inference kernel for
+    ``s·x̂ + t`` plus ``k·dy`` against ``batch_norm_backward_elemt``."""
+    cuda = device.type == "cuda"
+    shapes = [s for s in SHAPES if math.prod(s) * 4 >= 25e6] if cuda else [(2, 8, 8, 8)]
+    for shape in shapes:
+        for dtype in (torch.float32, torch.bfloat16):
+            setting = f"{tuple(shape)} {str(dtype)[6:]}"
+            if time.time() > until:
+                row("passes over the input", setting, "skipped: time box")
+                continue
+            x = torch.randn(shape, device=device, dtype=dtype)
+            dy = torch.randn_like(x)
+            vec = functools.partial(torch.ones, shape[1], device=device, dtype=torch.float32)
+            mean, var, invstd, gamma = vec() * 0, vec(), vec(), vec()
+            shift, dims, k = x[0, :, 0, 0].float(), reduced_dims(x), per_channel(vec().to(dtype), x)
+            count = torch.full((1,), x.numel() // shape[1], device=device, dtype=torch.int32)
+            pairs = {
+                "statistics": (lambda: torch.var_mean(x - per_channel(shift, x), dims, correction=0),
+                               lambda: torch.batch_norm_stats(x, 1e-5)),
+                "gradient sums": (lambda: torch.ops.aten.native_batch_norm_backward(
+                                      dy, x, gamma, None, None, mean, invstd, True, 1e-5, [False, True, True]),
+                                  lambda: torch.batch_norm_backward_reduce(dy, x, mean, invstd, gamma, True, True, True)),
+                "dx": (lambda: normalize(x, gamma, gamma, mean, var, 1e-5).addcmul_(dy, k),
+                       lambda: torch.batch_norm_backward_elemt(dy, x, mean, invstd, gamma, gamma, gamma, count)),
+            }
+            cells = []
+            for name, (ours, fused) in pairs.items():
+                ours_ms = ms_per_step(ours, device, 2.0 if cuda else math.inf, STEPS if cuda else 2)[0]
+                if not cuda:
+                    cells.append(f"{name}: ours {ours_ms:.3f}, fused n/a (CUDA only)")
+                    continue
+                try:
+                    fused_ms = ms_per_step(fused, device, 2.0)[0]
+                    cells.append(f"{name}: ours {ours_ms:.3f}, fused {fused_ms:.3f} ({ours_ms / fused_ms:.2f}x)")
+                except Exception as e:  # noqa: BLE001 - a cell that says why
+                    cells.append(f"{name}: ours {ours_ms:.3f}, fused FAILED ({type(e).__name__}: {str(e)[:40]})")
+            row("passes over the input", setting, "; ".join(cells) + " ms")
 
 
 @functools.lru_cache(maxsize=None)
@@ -701,6 +750,7 @@ def main() -> None:
         shapes = SHAPES if cuda else [(2, s[1] // 8, 8, 8) for s in SHAPES]
         section("per layer", cuda, end, per_layer, device, shapes, boxed=True)
         section("launches", cuda, end, launches, device)
+        section("passes over the input", cuda, end, kernel_choices, device, boxed=True)
         section("training steps", cuda, end, training_steps, device, *((32, 224) if cuda else (2, 32)), boxed=True)
         section("host syncs", cuda, end, no_sync, device, 224 if cuda else 32)
         section("CUDA graphs", cuda, end, lambda: (cuda_graph(device), compiled_graph(device)))
