@@ -4,7 +4,7 @@
 On a GPU every op is a kernel launch, so this path spends ops as it spends collectives:
 no host read, no tensor made from Python data after a layer's first step (the identity
 header, its expected sum and the ones of a layer without ``γ`` are made once, by fills,
-and reused), and about 37 dispatched ops per layer step besides the two collectives
+and reused), and 36 dispatched ops per layer step (float32) besides the two collectives
 (``tests/unit/test_device.py`` holds it to 40; ``nn.BatchNorm2d`` takes 7).
 
 The forward's buffer, float64, one per layer and step::
@@ -31,29 +31,15 @@ statistics with ``check_finite``) go to :mod:`hvd_syncbn.torch.deferred`.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, NamedTuple, Optional, Tuple
+from typing import Any, NamedTuple, Optional, Tuple
 
 import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from hvd_syncbn.torch.kernels import per_channel, reduced_dims
+from hvd_syncbn.torch.kernels import cached, ones, per_channel, reduced_dims
 
 NAN = float("nan")
-_cache: Dict[Any, Tensor] = {}
-
-
-def cached(key: Any, make: Callable[[], Tensor]) -> Tensor:
-    """A constant tensor, made by ``make`` once per process and ``key`` and reused by
-    every later step; under ``torch.compile`` made in the graph (a constant there), and
-    under a ``FakeTensorMode`` (shape propagation) made fake, each time."""
-    if torch.compiler.is_compiling() or torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is not None:
-        return make()
-    found = _cache.get(key)
-    if found is None:
-        with torch.inference_mode(False):  # usable by later steps outside inference mode
-            found = _cache[key] = make()
-    return found
 
 
 def cast(t: Optional[Tensor], dtype: torch.dtype) -> Optional[Tensor]:
@@ -82,11 +68,6 @@ def seeds(reduce: Any, direction: str, device: torch.device) -> Tuple[Tensor, Te
     if direction == "fwd":
         head, expected = head + (1.0,), expected + (-1.0,)
     return constant(head, device), constant(expected, device)
-
-
-def ones(channels: int, dtype: torch.dtype, device: torch.device) -> Tensor:
-    """``γ`` of a layer without one: the native backward kernels take no ``None`` on CUDA."""
-    return cached(("ones", channels, dtype, device), lambda: torch.ones(channels, dtype=dtype, device=device))
 
 
 def local_buffer(x: Tensor, seed: Tensor, acc: torch.dtype) -> Tensor:

@@ -2,13 +2,13 @@
 the driver in :mod:`hvd_syncbn.backend` (:class:`HostKernels`: the per-channel vectors
 in numpy float64 on the host, where small ops cost less than framework dispatches; the
 passes over the data in torch), torch's ops as ``xp`` (:class:`TorchOps`) and the
-layout helpers the device path (:mod:`hvd_syncbn.torch.device`) shares.
+layout helpers and cached constants the device path (:mod:`hvd_syncbn.torch.device`) shares.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, NamedTuple, Optional
+from typing import Any, Callable, Dict, NamedTuple, Optional
 
 import numpy as np
 import torch
@@ -55,6 +55,27 @@ class TorchOps:
 
 
 TORCH_OPS = TorchOps()
+
+
+_cache: Dict[Any, Tensor] = {}
+
+
+def cached(key: Any, make: Callable[[], Tensor]) -> Tensor:
+    """A constant tensor, made by ``make`` once per process and ``key`` and reused by
+    every later step; under ``torch.compile`` made in the graph (a constant there), and
+    under a ``FakeTensorMode`` (shape propagation) made fake, each time."""
+    if torch.compiler.is_compiling() or torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is not None:
+        return make()
+    found = _cache.get(key)
+    if found is None:
+        with torch.inference_mode(False):  # usable by later steps outside inference mode
+            found = _cache[key] = make()
+    return found
+
+
+def ones(channels: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """``γ`` of a layer without one: the native backward kernels take no ``None`` on CUDA."""
+    return cached(("ones", channels, dtype, device), lambda: torch.ones(channels, dtype=dtype, device=device))
 
 
 def per_channel(v: Tensor, like: Tensor) -> Tensor:
@@ -135,8 +156,8 @@ class HostKernels:
             sum_dy_xhat = sum_dy = dy.to(stats.mean.dtype).sum(reduced_dims(x))
         else:  # with a γ of ones: CUDA's kernel takes no None (CPU's does)
             _, sum_dy_xhat, sum_dy = torch.ops.aten.native_batch_norm_backward(
-                dy, x, torch.ones_like(stats.mean), None, None, stats.mean, stats.invstd, True, self.eps,
-                [False, True, True])
+                dy, x, ones(x.shape[1], stats.mean.dtype, x.device), None, None, stats.mean, stats.invstd, True,
+                self.eps, [False, True, True])
         return self.wide(sum_dy), self.wide(sum_dy_xhat), None
 
     def input_grad(self, dy: Tensor, x: Tensor, stats: Stats, coeffs: tuple, kept: Any) -> Tensor:
