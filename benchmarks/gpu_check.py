@@ -175,6 +175,22 @@ def torch_syncbn(channels: int):
     return bn
 
 
+def layer_step(layer: nn.Module, x: torch.Tensor, dy: torch.Tensor):
+    """One forward+backward of ``layer`` on ``x`` into ``x``, γ and β, as a call (``dy`` in
+    the output's dtype: fairscale's output is float32 for bfloat16 input)."""
+    args, grad = (x, layer.weight, layer.bias), dy.to(layer(x).dtype)
+    return lambda: torch.autograd.grad(layer(x), args, grad)
+
+
+def _top_level(event) -> bool:
+    """Whether a profiler event has no aten op above it."""
+    while event.cpu_parent is not None:
+        event = event.cpu_parent
+        if event.name.startswith("aten::"):
+            return False
+    return True
+
+
 def per_layer(device, shapes, until: float) -> None:
     cuda = device.type == "cuda"
     fairscale, no_fairscale = fairscale_class()
@@ -198,13 +214,7 @@ def per_layer(device, shapes, until: float) -> None:
                     cells.append(f"{name} {make}")
                     continue
                 try:
-                    layer = make(shape[1]).to(device)
-                    args = (x, layer.weight, layer.bias)
-                    grad = dy.to(layer(x).dtype)  # fairscale's output is float32 for bfloat16 input
-
-                    def step(layer=layer, args=args, grad=grad):
-                        torch.autograd.grad(layer(args[0]), args, grad)
-
+                    step = layer_step(make(shape[1]).to(device), x, dy)
                     ms[name], steps, host = ms_per_step(step, device, share if cuda else math.inf,
                                                         STEPS if cuda else 2)
                     cells.append(f"{name} {ms[name]:.3f}" + (f" (host {host:.3f})" if name == "ours" else ""))
@@ -237,11 +247,7 @@ def launches(device, steps: int = 5) -> None:
     for name, make in makers.items():
         if name == "torch" and not cuda:
             continue
-        layer = make(shape[1]).to(device)
-
-        def step(layer=layer):
-            torch.autograd.grad(layer(x), (x, layer.weight, layer.bias), dy)
-
+        step = layer_step(make(shape[1]).to(device), x, dy)
         step()
         sync(device)
         with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
@@ -254,14 +260,8 @@ def launches(device, steps: int = 5) -> None:
             copies = sum("Memcpy" in e.name and e.device_type != torch.autograd.DeviceType.CUDA for e in events) / steps
             cells.append(f"{name} {launched:.0f} launches, {copies:.0f} copies")
         else:
-            def top(e):
-                while e.cpu_parent is not None:
-                    e = e.cpu_parent
-                    if e.name.startswith("aten::"):
-                        return False
-                return True
-
-            cells.append(f"{name} {sum(e.name.startswith('aten::') and top(e) for e in events) / steps:.0f} aten ops")
+            cells.append(f"{name} {sum(e.name.startswith('aten::') and _top_level(e) for e in events) / steps:.0f} "
+                         f"aten ops")
     row("launches per layer step", f"{tuple(shape)} float32, {steps} steps", ", ".join(cells))
 
 
