@@ -80,7 +80,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.append(str(ROOT / "peers"))  # fairscale and vacancy's sync_batchnorm, where fetched (peers/README)
 from hvd_syncbn.torch import SyncBatchNorm, convert_sync_batchnorm  # noqa: E402
-from hvd_syncbn.torch.device import normalize  # noqa: E402
+from hvd_syncbn.torch.device import Composite  # noqa: E402
 from hvd_syncbn.torch.kernels import per_channel, reduced_dims  # noqa: E402
 from hvd_syncbn.torch.transports import TorchDistComm  # noqa: E402
 
@@ -293,7 +293,7 @@ def kernel_choices(device, until: float) -> None:
                 "gradient sums": (lambda: torch.ops.aten.native_batch_norm_backward(
                                       dy, x, gamma, None, None, mean, invstd, True, 1e-5, [False, True, True]),
                                   lambda: torch.batch_norm_backward_reduce(dy, x, mean, invstd, gamma, True, True, True)),
-                "dx": (lambda: normalize(x, gamma, gamma, mean, var, 1e-5).addcmul_(dy, k),
+                "dx": (lambda: Composite.normalize(x, gamma, gamma, torch.stack([mean, var]), invstd, 1e-5).addcmul_(dy, k),
                        lambda: torch.batch_norm_backward_elemt(dy, x, mean, invstd, gamma, gamma, gamma, count)),
             }
             cells = []

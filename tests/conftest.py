@@ -191,3 +191,17 @@ def rank_tmp():
     make and clean up: once in 20 multi-host runs a rank failed at exit on that link.)"""
     with tempfile.TemporaryDirectory() as folder:
         yield Path(folder)
+
+
+@pytest.fixture(params=["composite", "native"])
+def kernels(request, monkeypatch):
+    """The PyTorch device path on each of its kernel sets (``$HVD_SYNCBN_KERNELS``); the
+    native one through ``cuda_kernels.py``'s CPU stand-ins of torch's CUDA-only kernels."""
+    monkeypatch.setenv("HVD_SYNCBN_KERNELS", request.param)
+    if request.param == "composite":
+        yield request.param
+        return
+    import cuda_kernels
+
+    with cuda_kernels.registered():
+        yield request.param

@@ -132,18 +132,26 @@ def conditioned(channel_axes: Sequence[int], grad_atol: float = None, **tol) -> 
 
 
 class TorchTrainer:
-    """One step of a torch BN layer: input in the layer's dtype, loss ``Σ y·r``; returns
-    the output, the input gradient, the parameters' gradients and the running buffers."""
+    """One step of a torch BN layer: input in ``dtype`` (default: the layer's), loss
+    ``Σ y·r``; returns the output, the input gradient, the trained parameters' gradients
+    and the running buffers."""
 
-    def __init__(self, layer, channels_last: bool = False) -> None:
-        self.layer, self.channels_last = layer, channels_last
+    def __init__(self, layer, channels_last: bool = False, dtype=None) -> None:
+        self.layer, self.channels_last, self.dtype = layer, channels_last, dtype
 
     def _input(self, x):
         import torch
 
-        dtype = next((t.dtype for t in self.layer.state_dict().values() if t.is_floating_point()), torch.float32)
+        dtype = self.dtype or next((t.dtype for t in self.layer.state_dict().values() if t.is_floating_point()),
+                                   torch.float32)
         x = torch.as_tensor(x).to(dtype)
-        return x.contiguous(memory_format=torch.channels_last) if self.channels_last else x
+        return x.contiguous(memory_format=self._format(x)) if self.channels_last else x
+
+    @staticmethod
+    def _format(x):
+        import torch
+
+        return torch.channels_last if x.dim() == 4 else torch.channels_last_3d
 
     def train(self, x, r, m=None) -> dict:
         import torch
@@ -151,12 +159,12 @@ class TorchTrainer:
         layer, x = self.layer, self._input(x).requires_grad_(True)
         y = layer(x)
         if self.channels_last:
-            assert y.is_contiguous(memory_format=torch.channels_last), "channels_last output lost"
+            assert y.is_contiguous(memory_format=self._format(y)), "channels_last output lost"
         (y * torch.as_tensor(r).to(y.dtype)).sum().backward()
         out = {"output": y.detach(), "input grad": x.grad}
         for name in ("weight", "bias"):
             p = getattr(layer, name)
-            if p is not None:
+            if p is not None and p.requires_grad:
                 out[f"{name} grad"], p.grad = p.grad, None
         return {**out, **{name: t.clone() for name in ("running_mean", "running_var", "num_batches_tracked")
                           if (t := getattr(layer, name)) is not None}}

@@ -21,7 +21,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from hvd_syncbn import backend
 from hvd_syncbn.comm import Communicator, SyncBatchNormError
 from hvd_syncbn.torch import deferred, reducers, replicas, transports
-from hvd_syncbn.torch.device import DeviceFunction, Plan, cast
+from hvd_syncbn.torch.device import DeviceFunction, Plan, cast, kernels_for
 from hvd_syncbn.torch.kernels import HostKernels, Stats
 from hvd_syncbn.torch.reducers import GroupReducer, HostReducer, Identity, OpReducer
 from hvd_syncbn.transports import requested_kind
@@ -198,7 +198,7 @@ class SyncBatchNorm(_BatchNorm):
         self.stats = backend.stats_choice("SyncBatchNorm", stats)
         self._mean_guess: Optional[Tensor] = None  # last global batch mean (see kernels.host_moments)
         like = next((t for t in (self.weight, self.running_mean) if t is not None), None)
-        self.register_buffer("_sync_errors", torch.zeros(len(deferred.SLOTS), dtype=torch.bool,
+        self.register_buffer("_sync_errors", torch.zeros(len(deferred.SLOTS), dtype=torch.int64,
                                                          device=None if like is None else like.device),
                              persistent=False)
         self._register()
@@ -278,10 +278,16 @@ class SyncBatchNorm(_BatchNorm):
 
     def _on_device(self, x: Tensor, reduce: Any) -> Tensor:
         """The device path (:mod:`hvd_syncbn.torch.device`): flags recorded, nothing read."""
-        plan = Plan(reduce, self.eps, self._acc_dtype(x), self.check_finite)
+        plan = self._plan(x, reduce)
         y, stats, count, flags = DeviceFunction.apply(x, self.weight, self.bias, plan)
         self._after_step(stats, count, flags, len(reduce.head("fwd")))
         return y
+
+    def _plan(self, x: Tensor, reduce: Any) -> Plan:
+        """The device path's :class:`~hvd_syncbn.torch.device.Plan` for ``x``: its kernel set
+        (``$HVD_SYNCBN_KERNELS``) and the dtype of the statistics it takes."""
+        kernels = kernels_for(x.device)
+        return Plan(reduce, self.eps, kernels.acc(x, self._acc_dtype(x)), self.check_finite, kernels)
 
     def _after_step(self, stats: Tensor, count: Tensor, flags: Tensor, heads: int) -> None:
         """Record a device-path step's flags and update the running statistics from its

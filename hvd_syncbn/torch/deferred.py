@@ -16,11 +16,13 @@ import torch
 from torch import Tensor, nn
 
 from hvd_syncbn.comm import env_flag
-from hvd_syncbn.deferred import FLAGS, messages, raise_seen
+from hvd_syncbn.deferred import messages, raise_seen
 
-SLOTS = ("mismatch", "mismatch", "single_row", "non_finite")
-"""A layer's ``_sync_errors``: a header mismatch per header value, then the rest of
-:data:`~hvd_syncbn.deferred.FLAGS`."""
+SLOTS = ("mismatch", "mismatch", "not_one_row", "steps", "non_finite")
+"""A layer's ``_sync_errors``, counts of steps since the last :func:`check`: a header
+mismatch per header value, a global batch of other than one row, every step, non-finite
+statistics. A step of one row is one counted in ``steps`` and not in ``not_one_row``:
+adding a step's flags is then one op for every slot."""
 
 
 ASSERT_ENV = "HVD_SYNCBN_DEVICE_ASSERT"
@@ -37,16 +39,18 @@ def asserts() -> bool:
 
 def record(name: str, seen: Tensor, flags: Tensor, heads: int) -> None:
     """Add a step's ``flags`` of layer ``name`` (a mismatch per header value for its
-    ``heads`` of them, a global batch of one row, then non-finite statistics where
-    checked) to what it has ``seen`` (its ``_sync_errors``, :data:`SLOTS`), asserting them
-    first in the debug mode."""
-    start = SLOTS.index("single_row") - heads
+    ``heads`` of them, ``N ≠ 1``, the step, then non-finite statistics where checked) to
+    what it has ``seen`` (its ``_sync_errors``, :data:`SLOTS`), asserting them first in the
+    debug mode."""
+    start = SLOTS.index("not_one_row") - heads
     if asserts():
-        texts = dict(zip(FLAGS, messages(name)))
-        for flag, slot in zip(flags, SLOTS[start:]):
-            torch._assert_async(~flag, f"SyncBatchNorm (device path): {texts[slot]}")
+        mismatch, single_row, non_finite = messages(name)
+        texts = (mismatch,) * heads + (single_row, None, non_finite)
+        for i, (flag, text) in enumerate(zip(flags, texts)):
+            if text is not None:  # every flag but N != 1 is an error
+                torch._assert_async(flag if i == heads else ~flag, f"SyncBatchNorm (device path): {text}")
     with torch.no_grad():
-        seen[start:start + flags.numel()].bitwise_or_(flags)
+        seen[start:start + flags.numel()].add_(flags)
 
 
 def check(module: nn.Module) -> None:
@@ -64,5 +68,5 @@ def check(module: nn.Module) -> None:
     seen = torch.stack([m._sync_errors.to(first) for m in layers]).cpu().numpy()  # (layers, SLOTS)
     for m in layers:
         m._sync_errors.zero_()
-    rows = [(row[:2].any(), row[2], row[3]) for row in seen]  # as FLAGS
+    rows = [(row[:2].any(), row[3] > row[2], row[4] > 0) for row in seen]  # as FLAGS
     raise_seen("SyncBatchNorm (device path)", [(m.layer_name, row) for m, row in zip(layers, rows)])

@@ -3,34 +3,44 @@
 
 On a GPU every op is a kernel launch, so this path spends ops as it spends collectives:
 no host read, no tensor made from Python data after a layer's first step (the identity
-header, its expected sum and the ones of a layer without ``γ`` are made once, by fills,
-and reused), and 36 dispatched ops per layer step (float32) besides the two collectives
-(``tests/unit/test_device.py`` holds it to 40; ``nn.BatchNorm2d`` takes 7).
+header, its expected sum and the other constants are made once, by fills, and reused).
+Its passes over the data come from one of two kernel sets, the rest (the buffers, their
+header, the count, the flags, the running update) written once around them:
+
+- :class:`Native`: torch's fused batch-norm kernels, those ``torch.nn.SyncBatchNorm``
+  uses (``batch_norm_update_stats``: the per-channel Welford mean and variance,
+  ``batch_norm_elemt``, ``batch_norm_backward_reduce``, ``batch_norm_backward_elemt``):
+  8 touches of input-sized tensors per step, 28 dispatched ops (float32);
+- :class:`Composite`: generic ops, for every device: 13 touches, 33 ops.
+
+``$HVD_SYNCBN_KERNELS`` (``auto``, ``native`` or ``composite``) chooses; ``auto`` takes the
+native set where the input's device has its kernels (CUDA), else the composite.
 
 The forward's buffer, float64, one per layer and step::
 
-    [shift (C) | header (H) | −n | −n·mean | −n·(var + mean²)]
-                '--------- summed over the ranks ------------'
+    [header (H) | −n | −n·mean | −n·(var + mean²)]      summed over the ranks
 
-- ``shift``: one row of ``x`` per channel; the moments of ``x − shift`` in the
-  accumulation dtype, the shift added back in float64, keep the variance accurate at
-  large offsets (the backend's buffer, :func:`~hvd_syncbn.backend.pack_moments`, by sign).
+- the local ``mean`` and ``var`` in the accumulation dtype: the composite set's of
+  ``x − shift`` (one row of ``x`` per channel) with the shift added back in float64, so
+  the variance stays float64-grade at any offset; the native set's by Welford, as CUDA
+  returns them (``docs/design.md`` bounds what that costs at large offsets).
 - the header (``H = 2``, :func:`hvd_syncbn.comm.header`) where the reducer checks it on
   the device (:class:`~hvd_syncbn.torch.reducers.GroupReducer`); ``H = 0`` where the
   custom op checks it on the host (:class:`~hvd_syncbn.torch.reducers.OpReducer`).
-- the negative count makes ``sum / count`` the global moments and ``k / count`` the
-  gradient's ``−k/N`` without a negation; ``count`` is clamped at ``−1`` (an empty global
-  batch divides by 1) and NaN after a header mismatch, which makes the output NaN and
-  leaves the running statistics alone.
+- the negative count makes ``sum / count`` the global moments without a negation; it is
+  NaN after a header mismatch, which makes the output NaN and leaves the running
+  statistics alone. An empty global batch (``N = 0``) gives NaN statistics that nothing
+  reads (with ``check_finite`` the count is clamped at ``−1``: zeros).
 
-The backward's buffer is ``[header (H) | Σdy | Σdy·x̂]``; ``dx = k·dy + s·x̂ + t`` as in
-:func:`~hvd_syncbn.backend.input_grad_coeffs`, with ``s·x̂ + t`` by the native inference
-kernel. Flags (header mismatch per header value, a global batch of one row, non-finite
-statistics with ``check_finite``) go to :mod:`hvd_syncbn.torch.deferred`.
+The backward's buffer is ``[header (H) | Σdy | Σdy·(x − mean)·s]`` (``s`` the composite
+set's ``invstd``, the native set's 1); each set turns the global sums divided by ``−N``
+into ``dx``. Flags (header mismatch per header value, a global batch of one row, the
+step, non-finite statistics with ``check_finite``) go to :mod:`hvd_syncbn.torch.deferred`.
 """
 
 from __future__ import annotations
 
+import os
 from typing import Any, NamedTuple, Optional, Tuple
 
 import torch
@@ -40,6 +50,7 @@ from torch.autograd.function import once_differentiable
 from hvd_syncbn.torch.kernels import cached, ones, per_channel, reduced_dims
 
 NAN = float("nan")
+KERNELS_ENV = "HVD_SYNCBN_KERNELS"
 
 
 def cast(t: Optional[Tensor], dtype: torch.dtype) -> Optional[Tensor]:
@@ -47,122 +58,265 @@ def cast(t: Optional[Tensor], dtype: torch.dtype) -> Optional[Tensor]:
     return t if t is None or t.dtype == dtype else t.to(dtype)
 
 
-def constant(values: Tuple[float, ...], device: torch.device) -> Tensor:
-    """``values`` as a float64 tensor on ``device``, by fills (no copy from host memory)."""
+def constant(values: Tuple[float, ...], device: torch.device, dtype: torch.dtype = torch.float64) -> Tensor:
+    """``values`` as a ``dtype`` tensor on ``device``, by fills (no copy from host memory)."""
 
     def make() -> Tensor:
-        t = torch.empty(len(values), dtype=torch.float64, device=device)
+        t = torch.empty(len(values), dtype=dtype, device=device)
         for i, v in enumerate(values):
             t[i] = v
         return t
 
-    return cached(("values", values, device), make)
+    return cached(("values", values, device, dtype), make)
 
 
 def seeds(reduce: Any, direction: str, device: torch.device) -> Tuple[Tensor, Tensor]:
     """The head of ``direction``'s buffer (the header, then the count's 1 forward) and
-    what the ranks' sum of it must be (the header times the world size, then ``−1``: a
-    global batch of one row); ``reduce`` ``None``: no header (nothing crosses processes)."""
+    what the ranks' sum of the lanes :func:`global_stats` compares must be: the header
+    times the world size, then, forward, ``−1`` (a global batch of one row) and NaN
+    (which the first moment never equals: a lane that counts the steps). ``reduce``
+    ``None``: no header (nothing crosses processes)."""
     head = () if reduce is None else reduce.head(direction)
     expected = tuple(reduce.size * h for h in head)
     if direction == "fwd":
-        head, expected = head + (1.0,), expected + (-1.0,)
+        head, expected = head + (1.0,), expected + (-1.0, NAN)
     return constant(head, device), constant(expected, device)
 
 
-def local_buffer(x: Tensor, seed: Tensor, acc: torch.dtype) -> Tensor:
-    """``[shift | seed | −n | −n·mean | −n·(var + mean²)]`` of this rank's ``x`` (the seed's
-    last value, 1, becomes ``−n``), float64."""
-    channels, rows = x.shape[1], x.numel() // x.shape[1]
-    if rows == 0:  # zeros that depend on x, so that a compiler keeps the collective after the data
-        shift = mean = var = x.sum(reduced_dims(x))
-    else:
-        shift = x[(0, slice(None)) + (0,) * (x.dim() - 2)]  # (C,)
-        shift = cast(shift, acc)
-        var, mean = torch.var_mean(x - per_channel(shift, x), reduced_dims(x), correction=0)
-    buf = torch.cat([shift, seed, mean, var])  # float64: the seed's dtype
-    mean, square = buf[channels + seed.numel():].view(2, channels).unbind()
-    mean.add_(buf[:channels])  # the shift added back
+def moments_buffer(seed: Tensor, mean: Tensor, var: Tensor, rows: int, shift: Optional[Tensor] = None) -> Tensor:
+    """``[seed | −n·mean | −n·(var + mean²)]`` in float64 (the seed's dtype; its last value,
+    1, becomes ``−n``) from this rank's ``mean`` and ``var`` of ``rows`` rows, with ``shift``
+    added back to ``mean`` first where given. Three ops (four with a shift)."""
+    head = () if shift is None else (shift,)
+    buf = torch.cat([*head, seed, mean, var])
+    start = buf.numel() - 2 * mean.numel()
+    mean, square = buf[start:].view(2, -1).unbind()
+    if shift is not None:
+        mean.add_(buf[:shift.numel()])
+        buf = buf[shift.numel():]
+        start -= shift.numel()
     square.addcmul_(mean, mean)  # var + mean²
-    buf[channels + seed.numel() - 1:].mul_(-rows)
+    buf[start - 1:].mul_(-rows)
     return buf
 
 
-def normalize(x: Tensor, scale: Optional[Tensor], offset: Optional[Tensor], mean: Tensor, var: Tensor,
-              eps: float) -> Tensor:
-    """``scale·(x − mean)/√(var + ε) + offset`` by the native inference kernel (one op)."""
-    return torch.ops.aten._native_batch_norm_legit_no_training(x, scale, offset, mean, var, 0.0, eps)[0]
+class Composite:
+    """The passes over the data by generic ops (every device): the local moments of
+    ``x − shift`` by ``var_mean``, ``y`` and ``s·x̂ + t`` by the inference kernel, the
+    gradient sums by the native backward kernel; 13 touches of input-sized tensors."""
+
+    name = "composite"
+
+    @staticmethod
+    def acc(x: Tensor, params: torch.dtype) -> torch.dtype:
+        """The statistics' dtype: the layer's (``params``)."""
+        return params
+
+    @staticmethod
+    def local(x: Tensor, seed: Tensor, acc: torch.dtype) -> Tensor:
+        channels, rows = x.shape[1], x.numel() // x.shape[1]
+        if rows == 0:  # zeros that depend on x, so that a compiler keeps the collective after the data
+            shift = mean = var = x.sum(reduced_dims(x))
+        else:
+            shift = cast(x[(0, slice(None)) + (0,) * (x.dim() - 2)], acc)  # (C,)
+            var, mean = torch.var_mean(x - per_channel(shift, x), reduced_dims(x), correction=0)
+        return moments_buffer(seed, mean, var, rows, shift)
+
+    @staticmethod
+    def normalize(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], stats: Tensor, invstd: Tensor,
+                  eps: float) -> Tensor:
+        """``weight·(x − mean)·invstd + bias`` by the inference kernel (one op)."""
+        return torch.ops.aten._native_batch_norm_legit_no_training(x, weight, bias, *stats.unbind(), 0.0, eps)[0]
+
+    @staticmethod
+    def grad_sums(dy: Tensor, x: Tensor, weight: Optional[Tensor], stats: Tensor, invstd: Tensor, eps: float,
+                  acc: torch.dtype) -> Tuple[Tensor, ...]:
+        """This rank's ``Σdy`` and ``Σdy·x̂`` (``acc``), then the gradients of ``γ`` and ``β``
+        (the same sums)."""
+        if x.numel() == 0:  # zeros from dy: constants would let a compiler move the collective before the data
+            sum_dy_xhat = sum_dy = dy.sum(reduced_dims(x), dtype=acc)
+        else:
+            gamma = ones(x.shape[1], acc, x.device) if weight is None else weight  # CUDA's kernel takes no None
+            _, sum_dy_xhat, sum_dy = torch.ops.aten.native_batch_norm_backward(
+                dy, x, gamma, None, None, stats[0], invstd, True, eps, [False, True, True])
+        return sum_dy, sum_dy_xhat, sum_dy_xhat, sum_dy
+
+    @staticmethod
+    def input_grad(dy: Tensor, x: Tensor, weight: Optional[Tensor], stats: Tensor, invstd: Tensor, means: Tensor,
+                   eps: float) -> Tensor:
+        """``dx = k·dy + s·x̂ + t`` (:func:`~hvd_syncbn.backend.input_grad_coeffs`), ``k = γ·invstd``,
+        from ``means`` = ``[Σdy, Σdy·x̂]/−N`` (``(2, C)``, accumulation dtype; in place)."""
+        k = invstd if weight is None else invstd * weight
+        t, s = means.mul_(k).unbind()
+        dx = Composite.normalize(x, s, t, stats, invstd, eps)  # s·x̂ + t
+        return dx.addcmul_(dy, per_channel(cast(k, dx.dtype), x))
 
 
-def global_stats(out: Tensor, expected: Tensor, plan: "Plan") -> Tuple[Tensor, Tensor, Tensor]:
-    """From the summed forward buffer ``out`` (``[W·header | −N | −Σx | −Σx²]``) and what its
-    head must be (``expected``, of :func:`seeds`): the global
-    ``(mean, biased var)`` as a ``(2, C)`` tensor in ``plan.acc``, ``−max(N, 1)`` (NaN after
-    a header mismatch) and the step's flags (a mismatch per header value, a global batch
-    of one row, then non-finite statistics with ``check_finite``)."""
-    heads = expected.numel() - 1
-    flags = torch.ne(out[:heads + 1], expected)  # [header mismatch (H), N != 1]
-    count = out[heads:heads + 1]
-    nan = constant((NAN,), out.device)
-    count = (torch.where(flags[:heads].any(), nan, count) if heads else count).clamp_max(-1.0)
-    moments = out[heads + 1:].view(2, -1) / count  # [mean, E[x²]]
-    mean, square = moments.unbind()
-    square.addcmul_(mean, mean, value=-1.0).clamp_min_(0.0)  # biased var
-    flags[heads:].logical_not_()  # N == 1: a global batch of one row
-    if plan.check_finite:
-        flags = torch.cat([flags, torch.isfinite(moments).all().logical_not().view(1)])
-    return cast(moments, plan.acc), count, flags
+class Native:
+    """torch's fused batch-norm kernels (CUDA; those ``torch.nn.SyncBatchNorm`` uses):
+    8 touches of input-sized tensors per step (``1 + 2 + 2 + 3``). Their contracts
+    (``aten/src/ATen/native/cuda/Normalization.cu``): statistics in the accumulation
+    dtype of the input (float32 for half, bfloat16 and float32, else float64); ``γ`` and
+    ``β`` in that dtype too (or the input's, which the backward's elementwise kernel
+    refuses for half inputs); no empty input (a channels-last kernel would launch an
+    empty grid); the elementwise backward reads ``x`` in ``dy``'s layout; its count is
+    int32, and it divides the sums by the count's sum."""
+
+    name = "native"
+    OPS = ("batch_norm_update_stats", "batch_norm_elemt", "batch_norm_backward_reduce", "batch_norm_backward_elemt")
+
+    @staticmethod
+    def acc(x: Tensor, params: torch.dtype) -> torch.dtype:
+        """The kernels' accumulation dtype of ``x`` (CUDA's ``acc_type``)."""
+        return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+    @staticmethod
+    def local(x: Tensor, seed: Tensor, acc: torch.dtype) -> Tensor:
+        rows = x.numel() // x.shape[1]
+        if rows == 0:  # zeros that depend on x, as Composite.local's
+            mean = var = x.sum(reduced_dims(x))
+        else:
+            mean, var = torch.batch_norm_update_stats(x, None, None, 0.0)
+        return moments_buffer(seed, mean, var, rows)
+
+    @staticmethod
+    def normalize(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], stats: Tensor, invstd: Tensor,
+                  eps: float) -> Tensor:
+        if x.numel() == 0:
+            return torch.empty_like(x)
+        return torch.batch_norm_elemt(x, weight, bias, stats[0], invstd, eps)
+
+    @staticmethod
+    def grad_sums(dy: Tensor, x: Tensor, weight: Optional[Tensor], stats: Tensor, invstd: Tensor, eps: float,
+                  acc: torch.dtype) -> Tuple[Tensor, ...]:
+        """This rank's ``Σdy`` and ``Σdy·(x − mean)`` (``acc``), then the gradients of ``γ``
+        and ``β`` (``weight``'s dtype; ``None`` without it)."""
+        if x.numel() == 0:
+            zeros = dy.sum(reduced_dims(x), dtype=acc)
+            return zeros, zeros, zeros, zeros
+        dy, x = same_layout(dy, x)
+        has_weight = weight is not None
+        return torch.batch_norm_backward_reduce(dy, x, stats[0], invstd, weight, True, has_weight, has_weight)
+
+    @staticmethod
+    def input_grad(dy: Tensor, x: Tensor, weight: Optional[Tensor], stats: Tensor, invstd: Tensor, means: Tensor,
+                   eps: float) -> Tensor:
+        """``dx`` by the elementwise backward kernel from ``means`` = ``[Σdy, Σdy·(x − mean)]/−N``:
+        sums over a global batch of ``−1`` rows, so that the kernel's division by its
+        count's sum gives the sums over ``N`` back."""
+        if x.numel() == 0:
+            return torch.empty_like(x)
+        dy, x = same_layout(dy, x)
+        minus_one = constant((-1,), x.device, torch.int32)
+        return torch.batch_norm_backward_elemt(dy, x, stats[0], invstd, weight, means[0], means[1], minus_one)
 
 
-def grad_sums(dy: Tensor, x: Tensor, weight: Optional[Tensor], stats: Tensor, plan: "Plan",
-              needs: Tuple[bool, bool]) -> Tuple[Tuple[Tensor, Tensor], Tensor, list]:
-    """This rank's ``(Σdy, Σdy·x̂)`` (accumulation dtype), ``k = γ·invstd``, and the
-    gradients of ``γ`` and ``β`` where ``needs`` them (local: the optimizer sums them)."""
-    mean, var = stats.unbind()
-    invstd = torch.rsqrt(var + plan.eps)
-    gamma = ones(x.shape[1], plan.acc, x.device) if weight is None else cast(weight, plan.acc)
-    if x.numel() == 0:  # zeros from dy (the CPU kernel divides by the rows); constants would let a compiler
-        sum_dy_xhat = sum_dy = dy.sum(reduced_dims(x), dtype=plan.acc)  # move the collective before the data
-    else:
-        _, sum_dy_xhat, sum_dy = torch.ops.aten.native_batch_norm_backward(
-            dy, x, gamma, None, None, mean, invstd, True, plan.eps, [False, True, True])
-    grads = [cast(s, weight.dtype) if weight is not None and need else None
-             for s, need in zip((sum_dy_xhat, sum_dy), needs)]
-    return (sum_dy, sum_dy_xhat), invstd if weight is None else invstd * gamma, grads
+def same_layout(dy: Tensor, x: Tensor) -> Tuple[Tensor, Tensor]:
+    """``dy`` and ``x`` in one memory format (channels-last where ``x`` is, else
+    contiguous): CUDA's elementwise backward picks its kernel by ``dy``'s layout and
+    reads ``x`` in it. No op where both already are."""
+    fmt = torch.contiguous_format
+    if x.dim() in (4, 5):
+        last = torch.channels_last if x.dim() == 4 else torch.channels_last_3d
+        fmt = last if x.is_contiguous(memory_format=last) and not x.is_contiguous() else fmt
+    return dy.contiguous(memory_format=fmt), x.contiguous(memory_format=fmt)
 
 
-def input_grad_terms(x: Tensor, sums: Tensor, k: Tensor, count: Tensor, stats: Tensor, plan: "Plan") -> Tensor:
-    """``s·x̂ + t`` of :func:`~hvd_syncbn.backend.input_grad_coeffs` from the global
-    ``[Σdy | Σdy·x̂]`` (``sums``, ``(2C,)``) and ``count`` (``−N``, or one per header value,
-    NaN where it mismatched), by the native inference kernel."""
-    t, s = cast(sums.view(2, -1) * (k / count.view(-1, 1)), plan.acc).unbind()  # −k·[Σdy, Σdy·x̂]/N
-    return normalize(x, s, t, *stats.unbind(), plan.eps)
+KERNEL_SETS = {k.name: k for k in (Native, Composite)}
+
+
+@torch.compiler.assume_constant_result
+def kernels_name(device_type: str) -> str:
+    """The kernel set ``$HVD_SYNCBN_KERNELS`` picks for tensors on ``device_type``: ``auto``
+    (default) the native set where the device has all its kernels, else the composite."""
+    choice = os.environ.get(KERNELS_ENV, "auto") or "auto"
+    if choice not in ("auto", "native", "composite"):
+        raise ValueError(f"expected ${KERNELS_ENV} to be 'auto', 'native' or 'composite', got {choice!r}")
+    if choice == "composite":
+        return choice
+    key = {"meta": "Meta", "mps": "MPS"}.get(device_type, device_type.upper())
+    missing = [op for op in Native.OPS if not torch._C._dispatch_has_kernel_for_dispatch_key(f"aten::{op}", key)]
+    if missing and choice == "native":
+        raise ValueError(f"${KERNELS_ENV}=native: this torch has no {key} kernel of {', '.join(missing)}; expected "
+                         f"tensors on a device that has torch's fused batch-norm kernels (CUDA), got {device_type} "
+                         f"tensors (set {KERNELS_ENV} to 'auto' or 'composite' for them)")
+    return "composite" if missing else "native"
+
+
+def kernels_for(device: torch.device) -> Any:
+    """The kernel set (:class:`Native` or :class:`Composite`) for tensors on ``device``."""
+    return KERNEL_SETS[kernels_name(device.type)]
 
 
 class Plan(NamedTuple):
     """What a device-path call needs besides tensors: the summing ``reduce`` (with its
-    ``head(direction)`` and ``size``), ``eps``, the accumulation dtype and ``check_finite``."""
+    ``head(direction)`` and ``size``), ``eps``, the statistics' dtype, ``check_finite``
+    and the ``kernels`` (:class:`Native` or :class:`Composite`)."""
 
     reduce: Any
     eps: float
     acc: torch.dtype
     check_finite: bool
+    kernels: Any = Composite
+
+
+def global_stats(out: Tensor, expected: Tensor, plan: Plan) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """From the summed forward buffer ``out`` (``[W·header | −N | −Σx | −Σx²]``) and what its
+    head must be (``expected``, of :func:`seeds`): the global ``(mean, biased var)`` as a
+    ``(2, C)`` tensor in ``plan.acc``, ``invstd``, ``−N`` (NaN after a header mismatch) and
+    the step's flags (:data:`hvd_syncbn.torch.deferred.SLOTS` from the first mismatch:
+    a mismatch per header value, ``N ≠ 1``, the step, then non-finite statistics with
+    ``check_finite``). Seven ops, and two for ``invstd``."""
+    heads = expected.numel() - 2
+    flags = torch.ne(out[:heads + 2], expected)  # [header mismatch (H), N != 1, True]
+    count = out[heads:heads + 1]
+    if heads:
+        count = torch.where(flags[:heads].any(), constant((NAN,), out.device), count)
+    if plan.check_finite:  # an empty global batch: zero statistics, which check_finite sees as finite
+        count = count.clamp_max(-1.0)
+    moments = out[heads + 1:].view(2, -1) / count  # [mean, E[x²]]
+    mean, square = moments.unbind()
+    square.addcmul_(mean, mean, value=-1.0).clamp_min_(0.0)  # biased var
+    if plan.check_finite:
+        flags = torch.cat([flags, torch.isfinite(moments).all().logical_not().view(1)])
+    stats = cast(moments, plan.acc)
+    return stats, torch.rsqrt(stats[1] + plan.eps), count, flags
+
+
+def global_means(reduce: Any, sums: Tuple[Tensor, Tensor], count: Tensor, acc: torch.dtype) -> Tensor:
+    """The backward's collective: this rank's ``sums`` (``(C,)`` each) summed over the
+    ranks behind the header (``reduce`` ``None``: over nothing), divided by the forward's ``count`` (``−N``), as ``(2, C)``
+    in ``acc``; a row is NaN where its header value mismatched. Five ops (cat, ne,
+    where, addcdiv_ and the collective's)."""
+    device, channels = count.device, sums[0].numel()
+    seed, expected = seeds(reduce, "bwd", device)
+    heads = seed.numel()
+    # float64 by the header's dtype; with no header explicitly (inductor drops an empty tensor from a cat)
+    buf = torch.cat([seed, *sums]) if heads else torch.cat(sums).double()
+    out = buf if reduce is None else reduce(buf, "bwd")  # [W·header | ΣΣdy | ΣΣdy·x̂]
+    zeros = cached(("zeros", channels, acc, device), lambda: torch.zeros(2, channels, dtype=acc, device=device))
+    if heads:
+        nan = constant((NAN,), device, acc)
+        means = torch.where(torch.ne(out[:heads], expected).view(-1, 1), nan, zeros)
+    else:
+        means = zeros.clone()
+    return means.addcdiv_(out[heads:].view(2, -1), count)
 
 
 class DeviceFunction(torch.autograd.Function):
     """Normalise with global statistics, one allreduce each way. Returns ``y`` and, not
     differentiable, the global ``(mean, biased var)`` as a ``(2, C)`` tensor in the
-    accumulation dtype, ``−max(N, 1)`` (NaN after a header mismatch) and the step's flags
+    accumulation dtype, ``−N`` (NaN after a header mismatch) and the step's flags
     (:func:`hvd_syncbn.torch.deferred.record`)."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, plan: Plan):  # noqa: D401 - autograd API
         ctx.set_materialize_grads(False)
         seed, expected = seeds(plan.reduce, "fwd", x.device)
-        out = plan.reduce(local_buffer(x, seed, plan.acc)[x.shape[1]:], "fwd")  # [W·header | −N | −Σx | −Σx²]
-        stats, count, flags = global_stats(out, expected, plan)
-        y = normalize(x, cast(weight, plan.acc), cast(bias, plan.acc), *stats.unbind(), plan.eps)
-        ctx.save_for_backward(x, weight, stats, count)
+        out = plan.reduce(plan.kernels.local(x, seed, plan.acc), "fwd")  # [W·header | −N | −Σx | −Σx²]
+        stats, invstd, count, flags = global_stats(out, expected, plan)
+        y = plan.kernels.normalize(x, cast(weight, plan.acc), cast(bias, plan.acc), stats, invstd, plan.eps)
+        ctx.save_for_backward(x, weight, stats, invstd, count)
         ctx.plan = plan
         ctx.mark_non_differentiable(stats, count, flags)
         return y, stats, count, flags
@@ -170,18 +324,13 @@ class DeviceFunction(torch.autograd.Function):
     @staticmethod
     @once_differentiable  # the sums are taken outside autograd: a second derivative would be silently wrong
     def backward(ctx, dy, *_):
-        x, weight, stats, count = ctx.saved_tensors
-        plan = ctx.plan
+        x, weight, stats, invstd, count = ctx.saved_tensors
+        plan, kernels = ctx.plan, ctx.plan.kernels
         dy = torch.zeros_like(x) if dy is None else dy
-        (sum_dy, sum_dy_xhat), k, grads = grad_sums(dy, x, weight, stats, plan, ctx.needs_input_grad[1:3])
+        w = cast(weight, plan.acc)
+        sum_dy, sum_dy_x, *grads = kernels.grad_sums(dy, x, w, stats, invstd, plan.eps, plan.acc)
+        grads = [cast(g, weight.dtype) if need else None for g, need in zip(grads, ctx.needs_input_grad[1:3])]
         if not ctx.needs_input_grad[0]:
             return None, *grads, None
-        seed, expected = seeds(plan.reduce, "bwd", x.device)
-        heads = seed.numel()
-        # float64 by the header's dtype; with no header explicitly (inductor drops an empty tensor from a cat)
-        buf = torch.cat([seed, sum_dy, sum_dy_xhat]) if heads else torch.cat([sum_dy, sum_dy_xhat]).double()
-        out = plan.reduce(buf, "bwd")  # [W·header | ΣΣdy | ΣΣdy·x̂]
-        nan = constant((NAN,), x.device)
-        count = torch.where(torch.ne(out[:heads], expected), nan, count) if heads else count  # (H or 1,)
-        dx = input_grad_terms(x, out[heads:], k, count, stats, plan)
-        return dx.addcmul_(dy, per_channel(cast(k, dx.dtype), x)), *grads, None
+        means = global_means(plan.reduce, (sum_dy, sum_dy_x), count, plan.acc)
+        return kernels.input_grad(dy, x, w, stats, invstd, means, plan.eps), *grads, None

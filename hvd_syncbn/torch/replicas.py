@@ -6,7 +6,7 @@ process, and across processes with one collective per process and direction.
 ``_replicate_for_data_parallel``: the seam; no wrapper class, no patch) and runs the
 copies in threads, one per device. The copies of one layer made by one ``replicate``
 form a :class:`ReplicaSet`. In the forward each replica computes its local buffer (the
-device path's, :func:`hvd_syncbn.torch.device.local_buffer`); the last to arrive sums
+device path's, by its kernel set's ``local``); the last to arrive sums
 them, sums that over the processes where there are several (the layer's communicator,
 one collective), and every replica normalises with the result.
 
@@ -16,13 +16,13 @@ would wait forever. The sums travel through the autograd graph instead, in three
 Functions per layer and step:
 
 - :class:`ReplicaNorm` (per replica): ``y`` from the global buffer ``G``; its backward
-  gives ``k·dy`` to ``x`` and, as ``G``'s "gradient", this replica's ``[Σdy, Σdy·x̂]``
+  keeps ``dy`` for later and gives, as ``G``'s "gradient", this replica's gradient sums
   (a linear stand-in, not the true gradient: the engine sums it over the replicas);
 - :class:`ReplicaSum` (one per layer and step): its backward gets that sum once every
   replica's has arrived, sums it over the processes (the backward collective) and hands
-  the global sums to every replica's
-- :class:`ReplicaStats`, whose backward adds ``s·x̂ + t`` to ``x``'s gradient
-  (:func:`~hvd_syncbn.backend.input_grad_coeffs`).
+  the global sums, divided by ``−N``, to every replica's
+- :class:`ReplicaStats`, whose backward gives ``x`` its gradient (the kernel set's
+  ``input_grad``, as :class:`~hvd_syncbn.torch.device.DeviceFunction`'s backward).
 
 Replicas run eagerly: under ``torch.compile`` the layer is a graph break
 (``torch.compiler.disable``; with ``fullgraph=True`` Dynamo raises, saying so), as
@@ -40,10 +40,7 @@ from torch import Tensor, nn
 from torch.autograd.function import once_differentiable
 
 from hvd_syncbn.comm import SyncBatchNormError, get_timeout
-from hvd_syncbn.torch.device import (
-    NAN, Plan, cast, constant, global_stats, grad_sums, input_grad_terms, local_buffer, normalize, seeds,
-)
-from hvd_syncbn.torch.kernels import per_channel
+from hvd_syncbn.torch.device import Plan, cast, constant, global_means, global_stats, seeds
 
 _forming: "weakref.WeakKeyDictionary[nn.Module, ReplicaSet]" = weakref.WeakKeyDictionary()
 
@@ -102,11 +99,12 @@ def join(origin: nn.Module) -> Tuple[ReplicaSet, int]:
 
 class State:
     """What one replica's step shares between its Functions: the global statistics
-    (forward) and ``k = γ·invstd`` (backward, before :class:`ReplicaStats` needs it)."""
+    (forward) and ``dy`` (backward, kept for :class:`ReplicaStats`)."""
 
     stats: Tensor
+    invstd: Tensor
     count: Tensor
-    k: Tensor
+    dy: Tensor
 
 
 @torch.compiler.disable(reason="SyncBatchNorm under nn.DataParallel: its replicas meet in threads, which "
@@ -119,26 +117,26 @@ def forward(layer: nn.Module, x: Tensor) -> Tensor:
     round = layer.__dict__["_replica_round"] = layer.__dict__.get("_replica_round", -1) + 1
     state = State()
 
-    def combine(tails: List[Any]) -> Tensor:
-        failed = next((t for t in tails if isinstance(t, BaseException)), None)
+    def combine(items: List[Any]) -> Tensor:
+        failed = next((t for t in items if isinstance(t, BaseException)), None)
         if failed is not None:
             if reduce is not None:  # the other processes' step fails with it too (the host path's diagnosis)
                 reduce.fail(f"{type(failed).__name__}: {failed}")
             raise failed
-        return ReplicaSum.apply(plan, heads, *tails)
+        return ReplicaSum.apply(plan, heads, [s for _, s in items], *(t for t, _ in items))
 
     try:
         layer._check_input_dim(x)
-        plan = Plan(reduce, layer.eps, layer._acc_dtype(x), layer.check_finite)
+        plan = layer._plan(x, reduce)
         seed = seeds(reduce, "fwd", x.device)[0]
         heads = seed.numel() - 1
         if rank > 0 and heads:  # the header once per process: the others add zeros
             seed = constant((0.0,) * heads + (1.0,), x.device)
-        tail = ReplicaStats.apply(x, plan, seed, state)
+        tail = ReplicaStats.apply(x, layer.weight, plan, seed, state)
     except BaseException as e:  # noqa: BLE001 - every replica fails with it
         replicas.meet(rank, round, e, combine, get_timeout())
         raise
-    total = replicas.meet(rank, round, tail, combine, get_timeout())
+    total = replicas.meet(rank, round, (tail, state), combine, get_timeout())
     y, stats, count, flags = ReplicaNorm.apply(x, layer.weight, layer.bias, total.to(x.device), plan, heads, state)
     if rank == 0:  # the module DataParallel keeps gets the flags and the running statistics, once
         replicas.origin._after_step(stats, count, flags, heads)
@@ -147,29 +145,32 @@ def forward(layer: nn.Module, x: Tensor) -> Tensor:
 
 class ReplicaStats(torch.autograd.Function):
     """``x`` → this replica's part of the summed buffer, ``[seed | −n | −Σx | −Σx²]``; its
-    backward gets the global ``[Σdy, Σdy·x̂]`` in place of a gradient and returns
-    ``s·x̂ + t``."""
+    backward gets the global sums divided by ``−N`` in place of a gradient and returns
+    ``x``'s gradient (``weight`` is only read)."""
 
     @staticmethod
-    def forward(ctx, x, plan: Plan, seed: Tensor, state: State):  # noqa: D401 - autograd API
-        ctx.save_for_backward(x)
+    def forward(ctx, x, weight, plan: Plan, seed: Tensor, state: State):  # noqa: D401 - autograd API
+        ctx.save_for_backward(x, weight)
         ctx.plan, ctx.state, ctx.heads = plan, state, seed.numel() - 1
-        return local_buffer(x, seed, plan.acc)[x.shape[1]:]
+        return plan.kernels.local(x, seed, plan.acc)
 
     @staticmethod
     @once_differentiable
-    def backward(ctx, sums):
-        (x,), state = ctx.saved_tensors, ctx.state
-        return input_grad_terms(x, sums[ctx.heads + 1:], state.k, state.count, state.stats, ctx.plan), None, None, None
+    def backward(ctx, means):
+        (x, weight), state, plan = ctx.saved_tensors, ctx.state, ctx.plan
+        means = means[ctx.heads + 1:].view(2, -1).to(plan.acc, copy=True)  # each replica's own: used in place
+        dx = plan.kernels.input_grad(state.dy, x, cast(weight, plan.acc), state.stats, state.invstd, means, plan.eps)
+        return dx, None, None, None, None
 
 
 class ReplicaSum(torch.autograd.Function):
     """The replicas' buffers summed on the first one's device, then over the processes;
-    backward: the replicas' ``[Σdy, Σdy·x̂]`` summed over the processes, to each replica."""
+    backward: the replicas' gradient sums summed over the processes and divided by
+    ``−N`` (:func:`~hvd_syncbn.torch.device.global_means`), to each replica."""
 
     @staticmethod
-    def forward(ctx, plan: Plan, heads: int, *tails):  # noqa: D401 - autograd API
-        ctx.plan, ctx.heads, ctx.devices = plan, heads, [t.device for t in tails]
+    def forward(ctx, plan: Plan, heads: int, states: List[State], *tails):  # noqa: D401 - autograd API
+        ctx.plan, ctx.heads, ctx.states, ctx.devices = plan, heads, states, [t.device for t in tails]
         total = tails[0].clone()
         for t in tails[1:]:
             total += t.to(total.device)
@@ -179,25 +180,23 @@ class ReplicaSum(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, sums):
         plan, heads = ctx.plan, ctx.heads
-        if plan.reduce is not None:
-            seed, expected = seeds(plan.reduce, "bwd", sums.device)
-            out = plan.reduce(torch.cat([seed, sums[heads + 1:]]), "bwd")
-            nan = constant((NAN,), sums.device)
-            poison = torch.where(torch.ne(out[:heads], expected).any(), nan, 0.0) if heads else 0.0
-            sums = torch.cat([sums[:heads + 1], out[heads:] + poison])
-        return None, None, *(sums.to(device) for device in ctx.devices)
+        means = global_means(plan.reduce, sums[heads + 1:].view(2, -1).unbind(), ctx.states[0].count, plan.acc)
+        grad = torch.cat([sums[:heads + 1], means.view(-1)])
+        return None, None, None, *(grad.to(device) for device in ctx.devices)
 
 
 class ReplicaNorm(torch.autograd.Function):
     """``y`` from ``x`` and the summed buffer, as :class:`~hvd_syncbn.torch.device.DeviceFunction`
-    after its collective; backward: ``k·dy`` to ``x``, this replica's ``[Σdy, Σdy·x̂]`` to
-    the buffer."""
+    after its collective; backward: ``dy`` kept for :class:`ReplicaStats`, the gradients
+    of ``γ`` and ``β``, and this replica's gradient sums to the buffer."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, out, plan: Plan, heads: int, state: State):  # noqa: D401 - autograd API
         ctx.set_materialize_grads(False)
-        state.stats, state.count, flags = global_stats(out, seeds(plan.reduce, "fwd", x.device)[1], plan)
-        y = normalize(x, cast(weight, plan.acc), cast(bias, plan.acc), *state.stats.unbind(), plan.eps)
+        state.stats, state.invstd, state.count, flags = global_stats(out, seeds(plan.reduce, "fwd", x.device)[1],
+                                                                     plan)
+        y = plan.kernels.normalize(x, cast(weight, plan.acc), cast(bias, plan.acc), state.stats, state.invstd,
+                                   plan.eps)
         ctx.save_for_backward(x, weight)
         ctx.plan, ctx.state, ctx.heads = plan, state, heads
         ctx.mark_non_differentiable(state.stats, state.count, flags)
@@ -207,10 +206,10 @@ class ReplicaNorm(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, dy, *_):
         x, weight = ctx.saved_tensors
-        state = ctx.state
-        dy = torch.zeros_like(x) if dy is None else dy
-        needs = ctx.needs_input_grad[1:3]
-        (sum_dy, sum_dy_xhat), state.k, grads = grad_sums(dy, x, weight, state.stats, ctx.plan, needs)
-        dx = dy * per_channel(cast(state.k, dy.dtype), x) if ctx.needs_input_grad[0] else None
+        state, plan = ctx.state, ctx.plan
+        state.dy = torch.zeros_like(x) if dy is None else dy
+        sum_dy, sum_dy_x, *grads = plan.kernels.grad_sums(state.dy, x, cast(weight, plan.acc), state.stats,
+                                                          state.invstd, plan.eps, plan.acc)
+        grads = [cast(g, weight.dtype) if need else None for g, need in zip(grads, ctx.needs_input_grad[1:3])]
         zeros = constant((0.0,) * (ctx.heads + 1), x.device)
-        return dx, *grads, torch.cat([zeros, sum_dy, sum_dy_xhat]), None, None, None
+        return None, *grads, torch.cat([zeros, sum_dy, sum_dy_x]), None, None, None

@@ -6,7 +6,9 @@ their host point, and the functional collective's path against plain BN.
 A fake ``torch.distributed`` group of 2 ranks (``torch.testing``'s ``FakeStore``) gives
 the layers a world without peers: its all_reduce leaves each buffer as it is, so values
 are one rank's, which is what these tests need (the sums are tested across real ranks by
-``ranks_compile.py`` and in thread worlds by ``test_thread_worlds.py``).
+``ranks_compile.py`` and in thread worlds by ``test_thread_worlds.py``). The budgets of
+each kernel set are ``test_kernels.py``'s; the tests here that a kernel set could change
+run on both (the ``kernels`` fixture).
 """
 
 from __future__ import annotations
@@ -73,54 +75,6 @@ def cnn(stats: str) -> nn.Module:
     return model
 
 
-BUDGET = 40
-"""aten ops a layer step (forward, backward, running update and flags) may dispatch
-besides its two collectives and views: each is a kernel launch on a GPU, where
-``nn.BatchNorm2d`` launches about 7 and torch's SyncBatchNorm about 10 (issue #46)."""
-
-
-class Dispatched(TorchDispatchMode):
-    """Records every aten op dispatched while active."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops: list = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops.append(func)
-        return func(*args, **(kwargs or {}))
-
-
-def step_ops(layer: nn.Module, x) -> list:
-    """The ops of one training step of ``layer`` on ``x`` (forward, backward into fresh
-    gradients), after a first step that makes the layer's constants."""
-    dy = torch.randn_like(x)
-    layer(x).backward(dy)
-    x.grad = None
-    layer.zero_grad(set_to_none=True)
-    with Dispatched() as seen:
-        layer(x).backward(dy)
-    return seen.ops
-
-
-@pytest.mark.parametrize("dtype, kwargs", [(torch.float32, {}), (torch.bfloat16, {}),
-                                           (torch.float32, dict(affine=False)), (torch.float32, dict(momentum=None))],
-                         ids=["float32", "bfloat16", "no-affine", "cumulative"])
-def test_device_step_dispatches_at_most_the_budget(fake_world, dtype, kwargs):
-    """A device-path layer step over a ``torch.distributed`` group dispatches its two
-    collectives (all_reduce + wait, forward and backward) and at most :data:`BUDGET`
-    other ops, views not counted (106 before issue #46). Plain BN's step, counted the
-    same way, for contrast: the counter sees its native kernels."""
-    x = torch.randn(4, 8, 5, 5, dtype=dtype, requires_grad=True)
-    ops = step_ops(SyncBatchNorm(8, stats="device", **kwargs), x)
-    collectives = [f.__name__ for f in ops if f.namespace == "_c10d_functional"]
-    counted = [str(f) for f in ops if not f.is_view and f.namespace != "_c10d_functional"]
-    assert collectives == ["all_reduce.default", "wait_tensor.default"] * 2, collectives
-    assert len(counted) <= BUDGET, f"{len(counted)} ops > {BUDGET}: {counted}"
-    plain = [str(f) for f in step_ops(nn.BatchNorm2d(8), x) if not f.is_view]
-    assert {"aten.native_batch_norm.default", "aten.native_batch_norm_backward.default"} <= set(plain), plain
-
-
 @pytest.fixture
 def made_from_data(monkeypatch):
     """A list that fills with every tensor made from Python or numpy data while the test
@@ -154,10 +108,10 @@ def second_step(stats: str, rows: int, log: list, mode=None) -> list:
 
 
 @pytest.mark.parametrize("rows", [3, 0])
-def test_device_step_makes_no_tensor_from_data(fake_world, made_from_data, rows):
+def test_device_step_makes_no_tensor_from_data(fake_world, kernels, made_from_data, rows):
     """After a layer's first step (which makes its constants), a training step of a
-    converted model makes no tensor from Python or numpy data; the host path, for
-    contrast, does (its statistics cross as numpy), so the count can fail."""
+    converted model makes no tensor from Python or numpy data, on either kernel set; the
+    host path, for contrast, does (its statistics cross as numpy), so the count can fail."""
     device, host = (second_step(stats, rows, made_from_data) for stats in ("device", "host"))
     assert device == [], f"tensors made from data on the device path: {device}"
     assert len(host) > 0, "the wrapper saw no tensor made from data on the host path"
@@ -175,9 +129,10 @@ def test_device_step_runs_on_the_meta_device(fake_world):
 
 
 @pytest.mark.parametrize("rows", [3, 0])
-def test_device_path_makes_no_host_read_in_forward_and_backward(fake_world, host_reads, rows):
-    """Zero host reads on the device path (an empty rank included); the host path (over
-    a local communicator), for contrast, makes them, so the count can fail."""
+def test_device_path_makes_no_host_read_in_forward_and_backward(fake_world, kernels, host_reads, rows):
+    """Zero host reads on the device path (an empty rank included), on either kernel set;
+    the host path (over a local communicator), for contrast, makes them, so the count
+    can fail."""
     device, host = (second_step(stats, rows, host_reads, HostReads(host_reads)) for stats in ("device", "host"))
     assert device == [], f"host reads on the device path: {device}"
     assert len(host) > 0, "the counter saw no host read on the host path"
@@ -196,8 +151,8 @@ def test_device_path_runs_under_fake_tensor_mode(fake_world):
     assert model[1].running_mean.shape == (4,)
 
 
-def test_deferred_errors_are_raised_by_check_and_on_mode_switch():
-    """Over a thread world of 2 (the custom op): a global batch of one row, and
+def test_deferred_errors_are_raised_by_check_and_on_mode_switch(kernels):
+    """Over a thread world of 2 (the custom op), on either kernel set: a global batch of one row, and
     non-finite statistics with check_finite, raise on every rank at ``check(model)`` or
     ``model.eval()``, naming the layer, and leave the running statistics alone; a later
     clean step updates them."""
@@ -235,12 +190,12 @@ def test_deferred_errors_are_raised_by_check_and_on_mode_switch():
 @pytest.mark.parametrize("kwargs", [{}, dict(affine=False), dict(momentum=None)], ids=["affine", "no-affine",
                                                                                      "cumulative"])
 @pytest.mark.parametrize("shape", [(6, 4, 5, 5), (7, 4), (5, 4, 3, 2, 2)], ids=["2d", "1d", "3d"])
-def test_functional_collective_path_equals_plain_bn(kwargs, shape):
+def test_functional_collective_path_equals_plain_bn(kernels, kwargs, shape):
     """The device path over a real ``torch.distributed`` group of 1 (Gloo; the layer is
-    given its communicator, as alone it would be plain BN): its functional collectives
-    carry and check the header, and 3 training steps at an offset of 100 equal float64
-    plain BN on the same batch (outputs, input and parameter gradients, running
-    statistics) as closely as float32 BN does."""
+    given its communicator, as alone it would be plain BN), on either kernel set: its
+    functional collectives carry and check the header, and 3 training steps at an offset
+    of 100 equal float64 plain BN on the same batch (outputs, input and parameter
+    gradients, running statistics) as closely as float32 BN does."""
     from hvd_syncbn.torch.transports import TorchDistComm
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -276,7 +231,7 @@ def test_functional_collective_path_equals_plain_bn(kwargs, shape):
             dist.destroy_process_group()
 
 
-def test_header_mismatch_poisons_the_output_and_raises_at_check(fake_world):
+def test_header_mismatch_poisons_the_output_and_raises_at_check(fake_world, kernels):
     """The fake group's all_reduce returns each buffer as it is, so the static header
     sums to ``h``, not ``2h``, as when ranks sum different collectives: the output is
     NaN, nothing updates, and ``check`` raises SyncBatchNormError naming the layers."""

@@ -199,19 +199,19 @@ def test_torch_kernel_float64(layout, guess, kind):
                                          if (d, k) != ("bfloat16", "offset-1e4")])
 @pytest.mark.parametrize("layout", TORCH_LAYOUTS)
 def test_torch_device_kernel_matches_reference(layout, dtype, kind):
-    """The device path's local buffer (``device.local_buffer``: no host read, no fall-back),
+    """The device path's local buffer (the composite kernel set's: no host read, no fall-back),
     read back as moments: the data shifted by one of its values keeps the mean within
     1e-5 absolute even at mean 1e4 / std 0.1, where a plain float32 mean is off by 1e-3;
     the variance within the kernels' tolerance."""
     torch = pytest.importorskip("torch")
-    from hvd_syncbn.torch.device import constant, local_buffer
+    from hvd_syncbn.torch.device import Composite, constant
 
     x = torch_input(layout, kind, dtype)
     count, mean, var = torch_reference(x)
     channels = x.shape[1]
-    buf = local_buffer(x, constant((1.0,), x.device), torch.float64 if dtype == "float64" else torch.float32)
-    assert buf.dtype == torch.float64 and buf.shape == (3 * channels + 1,)
-    n, sums = -buf[channels:channels + 1], -buf[channels + 1:].view(2, channels)  # [-n | -n·mean | -n·(var + mean²)]
+    buf = Composite.local(x, constant((1.0,), x.device), torch.float64 if dtype == "float64" else torch.float32)
+    assert buf.dtype == torch.float64 and buf.shape == (2 * channels + 1,)
+    n, sums = -buf[:1], -buf[1:].view(2, channels)  # [-n | -n·mean | -n·(var + mean²)]
     assert n.tolist() == count.tolist()
     got_mean, ex2 = sums / n.clamp_min(1)  # no rows: zeros
     tol = KERNEL_TOL["float64"] if dtype == "float64" else dict(mean_rtol=0.0, mean_atol=1e-5, var_rtol=1e-5)

@@ -27,7 +27,7 @@ from oracle import EMPTY, UNEQUAL, assert_close, global_batch, shard_sizes, shar
 
 @pytest.mark.parametrize("pattern", [UNEQUAL, EMPTY], ids=["unequal", "empty"])
 @pytest.mark.parametrize("copies", [2, 3])
-def test_replicas_equal_one_process_on_the_concatenated_batch(copies, pattern):
+def test_replicas_equal_one_process_on_the_concatenated_batch(kernels, copies, pattern):
     """2 training steps of a converted CNN under a DataParallel of ``copies`` replicas
     (made anew each step, as DataParallel does): the outputs, the input's and every
     parameter's gradients, the running statistics and ``num_batches_tracked`` of the module
@@ -125,7 +125,7 @@ def test_eval_mode_replicas_use_the_running_statistics_without_meeting():
         x, layer.running_mean, layer.running_var, layer.weight, layer.bias, False).detach().numpy(), atol=1e-6)
 
 
-def test_deferred_checks_and_check_finite_hold_across_replicas():
+def test_deferred_checks_and_check_finite_hold_across_replicas(kernels):
     """A NaN in one replica's slice with ``check_finite``, and a global batch of one row
     over the replicas: :func:`check` raises on the module DataParallel keeps, naming the
     layer, and its running statistics stay as they were."""

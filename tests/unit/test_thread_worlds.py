@@ -74,15 +74,17 @@ def threads(comms) -> Ranks:
                  lambda values, name: sum(values.values()))
 
 
-@pytest.mark.parametrize("stats", ["host", "device"])
+@pytest.mark.parametrize("stats, kernels", [("host", "composite"), ("device", "composite"), ("device", "native")],
+                         indirect=["kernels"], ids=["host", "device", "device-native"])
 @pytest.mark.parametrize("size", [1, 2, 3])
 @pytest.mark.parametrize("case", TORCH_WORLD_CASES)
-def test_torch_layer_in_a_thread_world_matches_plain_bn(case, size, stats):
+def test_torch_layer_in_a_thread_world_matches_plain_bn(case, size, stats, kernels):
     """``STEPS`` training steps, then eval: outputs, input grads, weight/bias grads summed
     over the ranks, running statistics and ``num_batches_tracked``, as close to
     ``nn.BatchNorm`` in float64 on the concatenated batch as ``nn.BatchNorm`` in float32
     is (``assert_as_accurate``); one collective per direction per step. On both paths of
-    the statistics (the device path over the custom op)."""
+    the statistics (the device path over the custom op), the device path on both of its
+    kernel sets."""
     c = TORCH_WORLD_CASES[case]
     tail, offset, scale = c["tail"], c.get("offset", 0.0), c.get("scale", 1.0)
     comms, layers, plain = torch_pair(size, tail, stats=stats, **c.get("kwargs", {}))

@@ -1,0 +1,186 @@
+"""CPU stand-ins of torch's fused batch-norm kernels that only CUDA has, for the tests
+that run SyncBN's native kernel set without a GPU (``hvd_syncbn.torch.device.Native``).
+
+Each is written from the CUDA kernel's contract as ``aten/src/ATen/native/cuda/
+Normalization.cu`` and ``Normalization.cuh`` state it, and computes in float64, its
+results rounded to the dtypes CUDA returns (the statistics in the input's accumulation
+dtype: float32 for half, bfloat16 and float32 input, float64 for float64):
+
+- ``batch_norm_update_stats(x, running_mean?, running_var?, momentum)`` -> ``(mean, var)``,
+  biased; the running update with the unbiased variance. It overrides the CPU kernel,
+  which returns half-precision statistics for half-precision input where CUDA's are float32.
+- ``batch_norm_elemt(x, γ?, β?, mean, invstd, eps)`` -> ``(x − mean)·invstd·γ + β``
+  (``eps`` unused), in ``x``'s dtype and memory format.
+- ``batch_norm_backward_reduce(dy, x, mean, invstd, γ?, input_g, weight_g, bias_g)`` ->
+  ``(Σdy, Σdy·(x − mean), Σdy·(x − mean)·invstd, Σdy)``: sums, not means; the first two
+  in ``mean``'s dtype where ``input_g``, the gradients in ``γ``'s where asked.
+- ``batch_norm_backward_elemt(dy, x, mean, invstd, γ?, sum_dy, sum_dy_xmu, count)`` ->
+  ``(dy − sum_dy/n − (x − mean)·invstd²·sum_dy_xmu/n)·invstd·γ`` with ``n`` the sum of
+  the int32 ``count`` (one entry per rank, in torch's SyncBN).
+
+They raise where a CUDA kernel refuses its arguments (a dtype its accessors do not take,
+``mean`` and ``invstd`` of different dtypes, a non-int32 count) or would go wrong without
+saying so (an empty input, which a channels-last kernel launches as an empty grid; an
+``x`` whose layout differs from ``dy``'s where the elementwise backward picks its
+channels-last kernel by ``dy``'s and reads ``x`` in it). There is no Meta kernel, as on
+CUDA: under ``torch.compile`` the layer must not hand these ops to fake tensors.
+
+Use :func:`registered` as a context manager (or the ``cuda_kernels`` fixture).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+ACC = {torch.float16: torch.float32, torch.bfloat16: torch.float32, torch.float32: torch.float32,
+       torch.float64: torch.float64}
+
+
+def acc_of(op: str, x: Tensor) -> torch.dtype:
+    if x.dtype not in ACC:
+        raise RuntimeError(f'"{op}" not implemented for \'{str(x.dtype).replace("torch.", "")}\'')
+    return ACC[x.dtype]
+
+
+def check_input(op: str, x: Tensor) -> None:
+    if x.dim() < 2 or x.numel() == 0:
+        raise RuntimeError(f"{op}: expected a non-empty (N, C, *) input, got shape {tuple(x.shape)} (CUDA's "
+                           f"channels-last kernels launch an empty grid)")
+
+
+def check_dtype(op: str, name: str, t: Optional[Tensor], *dtypes: torch.dtype) -> None:
+    """As a CUDA packed accessor: ``Expected <name> to have type <T> but got <U>``."""
+    if t is not None and t.dtype not in dtypes:
+        raise RuntimeError(f"{op}: Expected {name} to have type {dtypes[0]} but got {t.dtype}")
+
+
+def check_params(op: str, x: Tensor, acc: torch.dtype, *params: Optional[Tensor]) -> None:
+    """γ and β: in the input's dtype, or all in its accumulation dtype ("mixed")."""
+    first = next((p for p in params if p is not None), None)
+    if first is None:
+        return
+    want = x.dtype if first.dtype == x.dtype else acc
+    for name, p in zip(("weight", "bias"), params):
+        check_dtype(op, name, p, want)
+
+
+def check_stats(op: str, acc: torch.dtype, mean: Tensor, invstd: Tensor) -> None:
+    if mean.dtype != invstd.dtype:
+        raise RuntimeError(f"{op}: mean and invstd need to have the same data types")
+    check_dtype(op, "mean", mean, acc)
+
+
+def channel(v: Tensor, like: Tensor) -> Tensor:
+    return v.double().view((1, -1) + (1,) * (like.dim() - 2))
+
+
+def dims(x: Tensor) -> list:
+    return [0, *range(2, x.dim())]
+
+
+def memory_format(x: Tensor) -> torch.memory_format:
+    """``suggest_memory_format``: what CUDA gives the output."""
+    if x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous():
+        return torch.channels_last
+    if x.dim() == 5 and x.is_contiguous(memory_format=torch.channels_last_3d) and not x.is_contiguous():
+        return torch.channels_last_3d
+    return torch.contiguous_format
+
+
+def channels_last_kernels(t: Tensor) -> bool:
+    """``batch_norm_use_channels_last_kernels``."""
+    return (t.dim() == 4 and t.is_contiguous(memory_format=torch.channels_last)) or (
+        t.is_contiguous() and t.stride(1) == 1)
+
+
+def update_stats(x, running_mean, running_var, momentum):
+    op = "batch_norm_update_stats"
+    acc = acc_of(op, x)
+    check_input(op, x)
+    xd = x.double()
+    var, mean = torch.var_mean(xd, dims(x), correction=0)
+    if running_mean is not None:
+        n = x.numel() // x.shape[1]
+        with torch.no_grad():
+            running_mean.copy_(running_mean.double() * (1 - momentum) + mean * momentum)
+            running_var.copy_(running_var.double() * (1 - momentum) + var * (n / (n - 1)) * momentum)
+    return mean.to(acc), var.to(acc)
+
+
+def elemt(x, weight, bias, mean, invstd, eps):
+    op = "batch_norm_elemt"
+    acc = acc_of(op, x)
+    check_input(op, x)
+    check_stats(op, acc, mean, invstd)
+    check_params(op, x, acc, weight, bias)
+    y = (x.double() - channel(mean, x)) * channel(invstd, x)
+    if weight is not None:
+        y = y * channel(weight, x)
+    if bias is not None:
+        y = y + channel(bias, x)
+    return y.to(x.dtype).contiguous(memory_format=memory_format(x))
+
+
+def backward_reduce(dy, x, mean, invstd, weight, input_g, weight_g, bias_g):
+    op = "batch_norm_backward_reduce"
+    acc = acc_of(op, x)
+    check_input(op, x)
+    check_dtype(op, "grad_output", dy, x.dtype)
+    check_stats(op, acc, mean, invstd)
+    check_params(op, x, acc, weight)
+    if (weight_g or bias_g) and weight is None:
+        raise RuntimeError(f"{op}: the gradients of weight and bias take weight's dtype: expected a weight")
+    centred = x.double() - channel(mean, x)
+    sum_dy = dy.double().sum(dims(x))
+    sum_dy_xmu = (dy.double() * centred).sum(dims(x))
+    return (sum_dy.to(mean.dtype) if input_g else None,
+            sum_dy_xmu.to(mean.dtype) if input_g else None,
+            (sum_dy_xmu * invstd.double()).to(weight.dtype) if weight_g else None,
+            sum_dy.to(weight.dtype) if bias_g else None)
+
+
+def backward_elemt(dy, x, mean, invstd, weight, sum_dy, sum_dy_xmu, count):
+    op = "batch_norm_backward_elemt"
+    acc = acc_of(op, x)
+    check_input(op, x)
+    check_dtype(op, "input", x, dy.dtype)
+    check_stats(op, acc, mean, invstd)
+    for name, t in (("sum_dy", sum_dy), ("sum_dy_xmu", sum_dy_xmu)):
+        check_dtype(op, name, t, acc)
+    # the contiguous kernel takes a half input's γ in float32 only; the others the input's dtype
+    check_dtype(op, "weight", weight, acc)
+    check_dtype(op, "count", count, torch.int32)
+    if channels_last_kernels(dy) and x.stride() != dy.stride():
+        raise RuntimeError(f"{op}: grad_output takes the channels-last kernel, which reads input in its layout: "
+                           f"expected input with strides {dy.stride()}, got {x.stride()}")
+    n = count.sum(dtype=torch.int64).double()
+    inv = channel(invstd, x)
+    dx = (dy.double() - channel(sum_dy, x) / n - (x.double() - channel(mean, x)) * inv * inv
+          * channel(sum_dy_xmu, x) / n) * inv
+    if weight is not None:
+        dx = dx * channel(weight, x)
+    return dx.to(x.dtype).contiguous(memory_format=memory_format(dy))
+
+
+STAND_INS = {"batch_norm_update_stats": update_stats, "batch_norm_elemt": elemt,
+             "batch_norm_backward_reduce": backward_reduce, "batch_norm_backward_elemt": backward_elemt}
+
+
+@contextlib.contextmanager
+def registered():
+    """The stand-ins as the CPU kernels of their aten ops inside the block (the CPU's own
+    ``batch_norm_update_stats`` back after it)."""
+    lib = torch.library.Library("aten", "IMPL")
+    with warnings.catch_warnings():  # "Overriding a previously registered kernel": the CPU update_stats
+        warnings.simplefilter("ignore")
+        for name, fn in STAND_INS.items():
+            lib.impl(name, fn, "CPU")
+    try:
+        yield
+    finally:
+        lib._destroy()
