@@ -1,6 +1,8 @@
-"""A training step of the demo's SegNet, eager against ``torch.compile``, at 2 ranks on the CPU.
+"""A training step of the demo's SegNet, eager against ``torch.compile``, at 2 ranks on the CPU;
+and the first compile of a converted ResNet-18 against plain BN's, one process.
 
     mpirun --allow-run-as-root -np 2 -bind-to none python benchmarks/bench_compile.py [--comm torch|mpi]
+    python benchmarks/bench_compile.py --first [--backend aot_eager|inductor]
 
 Each rank trains on 2 images of 64×64 (width 16: 8 SyncBN layers). Settings, timed
 interleaved in the same run (``common.timed``):
@@ -11,18 +13,28 @@ interleaved in the same run (``common.timed``):
 
 ``--comm torch`` (default) sums over a Gloo group with functional collectives; ``--comm
 mpi`` over mpi4py through the custom op. Prints ms per step and the ratios to eager host.
+
+``--first``: torchvision's ResNet-18, input 2×3×64×64, forward + backward under
+``torch.compile(fullgraph=True)``, the device path over a 1-rank Gloo group (each layer
+given its communicator: alone it would be plain BN), the first step's seconds, each
+setting in a fresh process: plain BN, then ours on each kernel set (the native one
+through the CPU stand-ins of ``tests/cuda_kernels.py`` where the device lacks its
+kernels), ``--repeats`` rounds in turn. Inductor runs with its caches off
+(``TORCHINDUCTOR_FORCE_DISABLE_CACHES=1``). Goals: ``aot_eager`` <= 3x plain, inductor <= 1.5x.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import torch
-from mpi4py import MPI
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "examples"), str(ROOT / "benchmarks")]
@@ -32,11 +44,73 @@ from torch_segmentation import SegNet  # noqa: E402
 from hvd_syncbn.torch import SyncBatchNorm, convert_sync_batchnorm  # noqa: E402
 
 
+GOALS = {"aot_eager": 3.0, "inductor": 1.5}
+STAND_INS: list = []  # the native kernels' CPU stand-ins, kept registered
+
+
+def first_step(backend: str, setting: str) -> float:
+    """Seconds of the first compiled step of ResNet-18 in ``setting`` (``plain``,
+    ``composite`` or ``native``), in this process."""
+    import torch.distributed as dist
+
+    sys.path.insert(0, str(ROOT / "tests"))
+    from vision import import_vision  # torchvision, also beside this project's CPU torch
+
+    from hvd_syncbn.torch.transports import TorchDistComm
+
+    store = tempfile.mkdtemp()  # the group's file store, for the life of the process
+    dist.init_process_group("gloo", init_method=f"file://{store}/pg", rank=0, world_size=1)
+    comm = TorchDistComm(None)
+    SyncBatchNorm._comm = lambda self, nccl=False: comm
+    if setting == "native" and not torch.cuda.is_available():
+        import cuda_kernels
+
+        STAND_INS.append(cuda_kernels.registered())  # for the life of this process
+        STAND_INS[-1].__enter__()
+    os.environ["HVD_SYNCBN_KERNELS"] = setting if setting != "plain" else "auto"
+    torch.manual_seed(0)
+    model = import_vision()[0].models.resnet18(weights=None)
+    model = model if setting == "plain" else convert_sync_batchnorm(model, stats="device")
+    step = torch.compile(model, fullgraph=True, backend=backend)
+    start = time.perf_counter()
+    step(torch.randn(2, 3, 64, 64)).sum().backward()
+    return time.perf_counter() - start
+
+
+def first_compiles(backend: str, repeats: int) -> None:
+    env = dict(os.environ, TORCHINDUCTOR_FORCE_DISABLE_CACHES="1")
+    seconds: dict = {}
+    for _ in range(repeats):
+        for setting in ("plain", "composite", "native"):
+            out = subprocess.run([sys.executable, __file__, "--first-of", setting, "--backend", backend], env=env,
+                                 capture_output=True, text=True, check=True).stdout
+            seconds.setdefault(setting, []).append(float(out.split()[-1]))
+    plain = statistics.median(seconds["plain"])
+    print(f"bench_compile --first: ResNet-18 2x3x64x64, fwd+bwd, fullgraph, {backend}, torch {torch.__version__}, "
+          f"{repeats} round(s), medians; goal <= {GOALS[backend]}x plain")
+    print("| setting | first step, s | vs plain |\n|---|---|---|")
+    for setting, s in seconds.items():
+        print(f"| {setting} | {statistics.median(s):.1f} ({', '.join(f'{v:.1f}' for v in s)}) | "
+              f"{statistics.median(s) / plain:.2f}x |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--comm", choices=["torch", "mpi"], default="torch")
     parser.add_argument("--iters", type=int, default=30)
+    parser.add_argument("--first", action="store_true", help="the first compile of ResNet-18, plain against ours")
+    parser.add_argument("--first-of", choices=["plain", "composite", "native"], help=argparse.SUPPRESS)
+    parser.add_argument("--backend", choices=sorted(GOALS), default="aot_eager")
+    parser.add_argument("--repeats", type=int, default=1)
     args = parser.parse_args()
+    if args.first_of:
+        print(f"{first_step(args.backend, args.first_of):.3f}")
+        return
+    if args.first:
+        first_compiles(args.backend, args.repeats)
+        return
+    from mpi4py import MPI
+
     world = MPI.COMM_WORLD
     rank = world.Get_rank()
     os.environ["HVD_SYNCBN_COMM"] = args.comm

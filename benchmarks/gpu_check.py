@@ -2,6 +2,7 @@
 
     python benchmarks/gpu_check.py             # a machine with a CUDA GPU (no Horovod needed)
     python benchmarks/gpu_check.py --dry-run   # any machine: the same plumbing on the CPU, tiny sizes
+                                               # (the native kernels: tests/cuda_kernels.py's CPU stand-ins)
 
 fairscale's SyncBN and vacancy's Synchronized-BatchNorm are columns where ``peers/`` has
 them or they are installed; else 'n/a'. ``peers/`` is git-ignored (a device run must
@@ -15,15 +16,14 @@ carry it); fill it, unmodified, with:
 Sections, most important first, each in a time box on the GPU (seconds; a section or
 item that would overrun is a 'skipped: time box' row, a failure a 'FAILED' row):
 
-1. per layer (45): forward+backward of one BN layer, 8 shapes x float32/bfloat16 input
-   (float32 parameters): cuDNN (``nn.BatchNorm2d``), torch's SyncBN Function, fairscale's
-   SyncBN and ours (``stats="device"``), all over the 1-rank NCCL group; goals ours <= 1.0x
-   torch, <= 0.6x fairscale, <= 1.5x cuDNN where the input is >= 25 MB; ours' host time to
-   queue a step besides (a step that takes about its host time is host-bound);
-   then (10) kernel launches and memory copies per layer step, ours, torch's, cuDNN's
-   (the profiler; where the host time goes); then (15) the passes over the input, ours
-   (generic ops) against torch's fused CUDA-only kernels for the same work, where the
-   input is >= 25 MB (what a CUDA path of its own would gain);
+1. per layer (60): forward+backward of one BN layer, 8 shapes x float32/bfloat16 input
+   (float32 parameters): ours on each kernel set (``native``: torch's fused kernels, the
+   default on CUDA; ``composite``: generic ops), torch's SyncBN Function, fairscale's
+   SyncBN and cuDNN (``nn.BatchNorm2d``), all over the 1-rank NCCL group; goals native
+   <= 0.8x torch, <= 0.5x fairscale, <= 1.25x cuDNN where the input is >= 25 MB; each
+   column's host time to queue a step besides (a step that takes about its host time is
+   host-bound); then (10) kernel launches and memory copies per layer step, ours on each
+   set, torch's, cuDNN's (the profiler; where the host time goes);
 2. training steps (130): torchvision ResNet-50 (channels-first) and ResNet-18
    (channels-last), batch 32 at 224, plain BN against converted, eager and
    ``torch.compile(fullgraph=True)``: ms per step, first compiled step, peak memory; goals
@@ -80,18 +80,17 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.append(str(ROOT / "peers"))  # fairscale and vacancy's sync_batchnorm, where fetched (peers/README)
 from hvd_syncbn.torch import SyncBatchNorm, convert_sync_batchnorm  # noqa: E402
-from hvd_syncbn.torch.device import Composite  # noqa: E402
-from hvd_syncbn.torch.kernels import per_channel, reduced_dims  # noqa: E402
 from hvd_syncbn.torch.transports import TorchDistComm  # noqa: E402
 
 # (N, C, H, W): ResNet-50 stages and a segmentation decoder at per-GPU batches, then at batch 32/64.
 SHAPES = [(8, 64, 56, 56), (2, 256, 64, 64), (8, 512, 28, 28), (4, 2048, 7, 7), (2, 64, 128, 128),
           (32, 64, 112, 112), (32, 256, 56, 56), (64, 2048, 7, 7)]
 STEPS, REPEATS, WARMUP = 50, 5, 3
-BUDGET_S = {"per layer": 45, "launches": 10, "passes over the input": 15, "training steps": 130, "host syncs": 15, "CUDA graphs": 40, "DataParallel": 30,
+BUDGET_S = {"per layer": 60, "launches": 10, "training steps": 130, "host syncs": 15, "CUDA graphs": 40, "DataParallel": 30,
             "2 processes, spawned": 25, "2 processes, mpirun": 60, "private group, 1 rank": 15}
 TOTAL_S = 330  # the sections' boxes end here on the GPU: 6 minutes with room for start-up and an overrun
 ROWS: list = []
+STAND_INS: list = []  # the dry run's CPU stand-ins of the native kernels, kept registered
 SECONDS: dict = {}  # per section, for the last line
 
 
@@ -175,6 +174,25 @@ def torch_syncbn(channels: int):
     return bn
 
 
+class KernelSet(nn.Module):
+    """A SyncBatchNorm whose steps run on one kernel set (``$HVD_SYNCBN_KERNELS``, set at
+    each call: the layers read it at each step)."""
+
+    def __init__(self, channels: int, kernels: str) -> None:
+        super().__init__()
+        self.bn, self.kernels = SyncBatchNorm(channels, stats="device"), kernels
+        self.weight, self.bias = self.bn.weight, self.bn.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        os.environ["HVD_SYNCBN_KERNELS"] = self.kernels
+        return self.bn(x)
+
+
+def ours(kernels: str):
+    """A maker of our layer on ``kernels`` (``native`` or ``composite``)."""
+    return lambda channels: KernelSet(channels, kernels)
+
+
 def layer_step(layer: nn.Module, x: torch.Tensor, dy: torch.Tensor):
     """One forward+backward of ``layer`` on ``x`` into ``x``, γ and β, as a call (``dy`` in
     the output's dtype: fairscale's output is float32 for bfloat16 input)."""
@@ -202,10 +220,10 @@ def per_layer(device, shapes, until: float) -> None:
             if time.time() > until:
                 row("fwd+bwd per layer", setting, "skipped: time box")
                 continue
-            share = (until - time.time()) / (2 * (len(shapes) - n)) / 4  # of the box left, per column
+            share = (until - time.time()) / (2 * (len(shapes) - n)) / 5  # of the box left, per column
             x = torch.randn(shape, device=device, dtype=dtype, requires_grad=True)
             dy = torch.randn_like(x)
-            makers = {"ours": lambda c: SyncBatchNorm(c, stats="device"),
+            makers = {"native": ours("native"), "composite": ours("composite"),
                       "torch": torch_syncbn if cuda else "n/a (CUDA only)",
                       "fairscale": fairscale or no_fairscale, "cuDNN": nn.BatchNorm2d}
             ms, cells, fewer = {}, [], set()
@@ -217,17 +235,19 @@ def per_layer(device, shapes, until: float) -> None:
                     step = layer_step(make(shape[1]).to(device), x, dy)
                     ms[name], steps, host = ms_per_step(step, device, share if cuda else math.inf,
                                                         STEPS if cuda else 2)
-                    cells.append(f"{name} {ms[name]:.3f}" + (f" (host {host:.3f})" if name == "ours" else ""))
+                    cells.append(f"{name} {ms[name]:.3f} (host {host:.3f})")
                     if cuda and steps < STEPS:
                         fewer.add(steps)
                 except Exception as e:  # noqa: BLE001 - a cell that says why
                     ms.pop(name, None)
                     cells.append(f"{name} FAILED ({type(e).__name__}: {str(e).splitlines()[0][:40]})")
-            ours = ms.get("ours", math.nan)
-            ratios = [f"ours/torch {goal(ours / ms['torch'], 1.0)}" if "torch" in ms else "",
-                      f"ours/fairscale {goal(ours / ms['fairscale'], 0.6)}" if "fairscale" in ms else "",
-                      f"ours/cuDNN {goal(ours / ms['cuDNN'], 1.5)}" if mb >= 25 and "cuDNN" in ms else
-                      f"ours/cuDNN {ours / ms['cuDNN']:.2f}x" if "cuDNN" in ms else ""]
+            native = ms.get("native", math.nan)
+            ratios = [f"native/torch {goal(native / ms['torch'], 0.8)}" if "torch" in ms else "",
+                      f"native/fairscale {goal(native / ms['fairscale'], 0.5)}" if "fairscale" in ms else "",
+                      f"native/cuDNN {goal(native / ms['cuDNN'], 1.25)}" if mb >= 25 and "cuDNN" in ms else
+                      f"native/cuDNN {native / ms['cuDNN']:.2f}x" if "cuDNN" in ms else "",
+                      f"composite/cuDNN {ms['composite'] / ms['cuDNN']:.2f}x" if {"composite", "cuDNN"} <= set(ms)
+                      else ""]
             note = f" ({min(fewer)} steps/repeat)" if fewer else ""
             row("fwd+bwd per layer", setting, f"{', '.join(cells)} ms{note}; {', '.join(r for r in ratios if r)}")
 
@@ -242,7 +262,7 @@ def launches(device, steps: int = 5) -> None:
     shape = SHAPES[0] if cuda else (2, 8, 8, 8)
     x = torch.randn(shape, device=device, requires_grad=True)
     dy = torch.randn_like(x)
-    makers = {"ours": lambda c: SyncBatchNorm(c, stats="device"), "torch": torch_syncbn, "cuDNN": nn.BatchNorm2d}
+    makers = {"native": ours("native"), "composite": ours("composite"), "torch": torch_syncbn, "cuDNN": nn.BatchNorm2d}
     cells = []
     for name, make in makers.items():
         if name == "torch" and not cuda:
@@ -263,51 +283,6 @@ def launches(device, steps: int = 5) -> None:
             cells.append(f"{name} {sum(e.name.startswith('aten::') and _top_level(e) for e in events) / steps:.0f} "
                          f"aten ops")
     row("launches per layer step", f"{tuple(shape)} float32, {steps} steps", ", ".join(cells))
-
-
-def kernel_choices(device, until: float) -> None:
-    """The passes over the input of a layer step, as ours makes them (generic ops, the
-    same on every device) against torch's fused CUDA-only kernels for the same work, where
-    the input is >= 25 MB: what a CUDA path of its own would gain. Statistics: the shifted
-    moments (``x - shift``, ``var_mean``) against ``batch_norm_stats`` (Welford, float32
-    means: not float64-grade at large offsets); the local gradient sums: the native
-    backward's against ``batch_norm_backward_reduce``; ``dx``: the inference kernel for
-    ``s·x̂ + t`` plus ``k·dy`` against ``batch_norm_backward_elemt``."""
-    cuda = device.type == "cuda"
-    shapes = [s for s in SHAPES if math.prod(s) * 4 >= 25e6] if cuda else [(2, 8, 8, 8)]
-    for shape in shapes:
-        for dtype in (torch.float32, torch.bfloat16):
-            setting = f"{tuple(shape)} {str(dtype)[6:]}"
-            if time.time() > until:
-                row("passes over the input", setting, "skipped: time box")
-                continue
-            x = torch.randn(shape, device=device, dtype=dtype)
-            dy = torch.randn_like(x)
-            vec = functools.partial(torch.ones, shape[1], device=device, dtype=torch.float32)
-            mean, var, invstd, gamma = vec() * 0, vec(), vec(), vec()
-            shift, dims, k = x[0, :, 0, 0].float(), reduced_dims(x), per_channel(vec().to(dtype), x)
-            count = torch.full((1,), x.numel() // shape[1], device=device, dtype=torch.int32)
-            pairs = {
-                "statistics": (lambda: torch.var_mean(x - per_channel(shift, x), dims, correction=0),
-                               lambda: torch.batch_norm_stats(x, 1e-5)),
-                "gradient sums": (lambda: torch.ops.aten.native_batch_norm_backward(
-                                      dy, x, gamma, None, None, mean, invstd, True, 1e-5, [False, True, True]),
-                                  lambda: torch.batch_norm_backward_reduce(dy, x, mean, invstd, gamma, True, True, True)),
-                "dx": (lambda: Composite.normalize(x, gamma, gamma, torch.stack([mean, var]), invstd, 1e-5).addcmul_(dy, k),
-                       lambda: torch.batch_norm_backward_elemt(dy, x, mean, invstd, gamma, gamma, gamma, count)),
-            }
-            cells = []
-            for name, (ours, fused) in pairs.items():
-                ours_ms = ms_per_step(ours, device, 2.0 if cuda else math.inf, STEPS if cuda else 2)[0]
-                if not cuda:
-                    cells.append(f"{name}: ours {ours_ms:.3f}, fused n/a (CUDA only)")
-                    continue
-                try:
-                    fused_ms = ms_per_step(fused, device, 2.0)[0]
-                    cells.append(f"{name}: ours {ours_ms:.3f}, fused {fused_ms:.3f} ({ours_ms / fused_ms:.2f}x)")
-                except Exception as e:  # noqa: BLE001 - a cell that says why
-                    cells.append(f"{name}: ours {ours_ms:.3f}, fused FAILED ({type(e).__name__}: {str(e)[:40]})")
-            row("passes over the input", setting, "; ".join(cells) + " ms")
 
 
 @functools.lru_cache(maxsize=None)
@@ -736,9 +711,14 @@ def main() -> None:
     if not cuda and not args.dry_run:
         sys.exit("gpu_check: expected a CUDA GPU (torch.cuda.is_available() is False); use --dry-run on the CPU")
     device = torch.device("cuda" if cuda else "cpu")
-    if not cuda:  # tiny sizes: 1 warm-up step, 2 repeats of 2 steps
+    if not cuda:  # tiny sizes: 1 warm-up step, 2 repeats of 2 steps; the native kernels' CPU stand-ins
         global WARMUP, REPEATS
         WARMUP, REPEATS = 1, 2
+        sys.path.insert(0, str(ROOT / "tests"))
+        import cuda_kernels
+
+        STAND_INS.append(cuda_kernels.registered())  # for this process: its layers take the native set, as on CUDA
+        STAND_INS[-1].__enter__()
     started = time.time()
     end = started + TOTAL_S
     print(f"gpu_check: torch {torch.__version__}, {torch.cuda.get_device_name() if cuda else 'CPU (dry run)'}")
@@ -750,7 +730,6 @@ def main() -> None:
         shapes = SHAPES if cuda else [(2, s[1] // 8, 8, 8) for s in SHAPES]
         section("per layer", cuda, end, per_layer, device, shapes, boxed=True)
         section("launches", cuda, end, launches, device)
-        section("passes over the input", cuda, end, kernel_choices, device, boxed=True)
         section("training steps", cuda, end, training_steps, device, *((32, 224) if cuda else (2, 32)), boxed=True)
         section("host syncs", cuda, end, no_sync, device, 224 if cuda else 32)
         section("CUDA graphs", cuda, end, lambda: (cuda_graph(device), compiled_graph(device)))

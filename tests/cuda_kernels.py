@@ -175,12 +175,16 @@ STAND_INS = {"batch_norm_update_stats": update_stats, "batch_norm_elemt": elemt,
 def registered():
     """The stand-ins as the CPU kernels of their aten ops inside the block (the CPU's own
     ``batch_norm_update_stats`` back after it)."""
+    from hvd_syncbn.torch.device import missing_kernels
+
     lib = torch.library.Library("aten", "IMPL")
     with warnings.catch_warnings():  # "Overriding a previously registered kernel": the CPU update_stats
         warnings.simplefilter("ignore")
         for name, fn in STAND_INS.items():
             lib.impl(name, fn, "CPU")
+    missing_kernels.cache_clear()  # the layers ask the dispatcher once per process
     try:
         yield
     finally:
         lib._destroy()
+        missing_kernels.cache_clear()

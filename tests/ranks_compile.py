@@ -7,11 +7,13 @@ bootstrapped over MPI, with no ``init_process_group``; then on the user's Gloo g
 ``mpi`` and ``horovod`` (the custom op). A converted small CNN trains 3 SGD steps on
 unequal shards (one rank empty at 3 ranks); outputs, parameters after every step (so
 every gradient), running statistics and ``num_batches_tracked`` must match float64
-plain BN.
+plain BN. On the composite kernel set, and on the native one (``-native``, through the
+CPU stand-ins of ``cuda_kernels.py``) eagerly and under ``aot_eager``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import subprocess
@@ -28,6 +30,7 @@ import torch.distributed as dist
 from hvd_syncbn import comm as transport
 from hvd_syncbn.torch import SyncBatchNorm, convert_sync_batchnorm
 from hvd_syncbn.torch import transports as torch_transports
+import cuda_kernels
 from oracle import EMPTY, UNEQUAL, assert_close, global_batch, shard_sizes, shard_slice
 
 RANK, WORLD = MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
@@ -95,7 +98,10 @@ def expected(sizes):
 # around the functional collectives (the private group) and once around the custom op
 # (over mpi; horovod changes only the op's transport), at 2 ranks, where it runs unequal
 # shards as at 3 (it cannot run the empty one).
-MODES = ["aot_eager", "eager-host", "eager-device"] + (["inductor"] if COMM != "horovod" and WORLD == 2 else [])
+# "-native": the native kernel set, through the CPU stand-ins of cuda_kernels.py; inductor
+# on it around the functional collectives, on the composite set around the custom op.
+MODES = ["aot_eager", "eager-host", "eager-device", "eager-device-native", "aot_eager-native"] + (
+    [{"torch": "inductor-native", "mpi": "inductor"}[COMM]] if COMM != "horovod" and WORLD == 2 else [])
 
 
 def transport_of(model) -> str:
@@ -110,12 +116,20 @@ EXPECTED = "private" if COMM == "torch" else COMM
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_converted_cnn_matches_plain_bn_on_the_whole_batch(mode):
-    trains_as_plain_bn_on_the_whole_batch(mode)
+def test_converted_cnn_matches_plain_bn_on_the_whole_batch(mode, monkeypatch):
+    trains_as_plain_bn_on_the_whole_batch(mode, monkeypatch)
 
 
-def trains_as_plain_bn_on_the_whole_batch(mode):
-    sizes = shard_sizes(UNEQUAL if mode == "inductor" else PATTERN, WORLD)
+def trains_as_plain_bn_on_the_whole_batch(mode, monkeypatch):
+    native = mode.endswith("-native")
+    mode = mode.removesuffix("-native")
+    monkeypatch.setenv("HVD_SYNCBN_KERNELS", "native" if native else "composite")
+    with cuda_kernels.registered() if native else contextlib.nullcontext():
+        trains_on_one_kernel_set(mode)
+
+
+def trains_on_one_kernel_set(mode):
+    sizes = shard_sizes(UNEQUAL if mode == "inductor" else PATTERN, WORLD)  # (its empty rank: above)
     mine = shard_slice(sizes, RANK)
     model = convert_sync_batchnorm(net())
     for m in model.modules():
@@ -157,9 +171,9 @@ if COMM == "torch":
         EXPECTED = "torch"
         assert torch_transports.resolve("auto", None, "probe").kind == "torch"
 
-    @pytest.mark.parametrize("mode", [m for m in MODES if m != "inductor"])  # its lowering: as the private group's
-    def test_on_the_users_group_converted_cnn_matches_plain_bn_on_the_whole_batch(mode):
-        trains_as_plain_bn_on_the_whole_batch(mode)
+    @pytest.mark.parametrize("mode", [m for m in MODES if not m.startswith("inductor")])  # as the private group's
+    def test_on_the_users_group_converted_cnn_matches_plain_bn_on_the_whole_batch(mode, monkeypatch):
+        trains_as_plain_bn_on_the_whole_batch(mode, monkeypatch)
 
     def test_on_the_users_group_converted_cnn_forward_has_no_graph_break():
         forward_has_no_graph_break()

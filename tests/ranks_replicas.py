@@ -1,7 +1,8 @@
 """DataParallel inside each process, SyncBN across them: 2 replica threads per process
 (``data_parallel.py``: replicas made by DataParallel's seam) at any world size, against
 float64 plain BN on the whole global batch, with one collective per process, layer and
-direction, not one per replica.
+direction, not one per replica; on both kernel sets (the native one through the CPU
+stand-ins of ``cuda_kernels.py``).
 
 Launched with ranks_torch.py (``test_launch.py``): plainly (1 process: the replicas
 alone), under mpirun (the custom op over MPI) and under horovodrun with
@@ -30,7 +31,7 @@ if os.environ.get("HVD_SYNCBN_COMM") == "torch" and not dist.is_initialized():
 COPIES, STEPS = 2, 2
 
 
-def test_replicas_and_processes_equal_one_process_on_the_global_batch(monkeypatch):
+def test_replicas_and_processes_equal_one_process_on_the_global_batch(monkeypatch, kernels):
     calls = []
     for cls in (reducers.GroupReducer, reducers.OpReducer):
         real = cls.__call__

@@ -21,7 +21,8 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from hvd_syncbn import backend
 from hvd_syncbn.comm import Communicator, SyncBatchNormError
 from hvd_syncbn.torch import deferred, reducers, replicas, transports
-from hvd_syncbn.torch.device import DeviceFunction, Plan, cast, kernels_for
+from hvd_syncbn.torch.device import Plan, cast, kernels_for
+from hvd_syncbn.torch.step import DeviceFunction
 from hvd_syncbn.torch.kernels import HostKernels, Stats
 from hvd_syncbn.torch.reducers import GroupReducer, HostReducer, Identity, OpReducer
 from hvd_syncbn.transports import requested_kind
@@ -118,7 +119,10 @@ class SyncBatchNorm(_BatchNorm):
             (tensors on the input's device, no host read, traceable by ``torch.compile``;
             its checks are deferred to :func:`~hvd_syncbn.torch.check`) or ``"auto"``:
             the device for CUDA inputs and under ``torch.compile``, else the host.
-            Default: ``$HVD_SYNCBN_STATS``, else ``"auto"``.
+            Default: ``$HVD_SYNCBN_STATS``, else ``"auto"``. On the device the passes
+            over the data are torch's fused batch-norm kernels where the device has
+            them (CUDA), else generic ops (``$HVD_SYNCBN_KERNELS``: ``"auto"``,
+            ``"native"`` or ``"composite"``).
         process_group: ``process_set`` under ``torch.nn.SyncBatchNorm``'s name; give
             one of the two, not both.
 
@@ -291,7 +295,7 @@ class SyncBatchNorm(_BatchNorm):
 
     def _after_step(self, stats: Tensor, count: Tensor, flags: Tensor, heads: int) -> None:
         """Record a device-path step's flags and update the running statistics from its
-        global ``stats`` and ``count`` (:class:`~hvd_syncbn.torch.device.DeviceFunction`'s)."""
+        global ``stats`` and ``count`` (:class:`~hvd_syncbn.torch.step.DeviceFunction`'s)."""
         with torch.no_grad():
             deferred.record(self.layer_name, self._sync_errors, flags, heads)
             if self.training and self.track_running_stats:

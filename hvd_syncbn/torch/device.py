@@ -40,12 +40,12 @@ step, non-finite statistics with ``check_finite``) go to :mod:`hvd_syncbn.torch.
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import Any, NamedTuple, Optional, Tuple
 
 import torch
 from torch import Tensor
-from torch.autograd.function import once_differentiable
 
 from hvd_syncbn.torch.kernels import cached, ones, per_channel, reduced_dims
 
@@ -70,31 +70,30 @@ def constant(values: Tuple[float, ...], device: torch.device, dtype: torch.dtype
     return cached(("values", values, device, dtype), make)
 
 
-def seeds(reduce: Any, direction: str, device: torch.device) -> Tuple[Tensor, Tensor]:
+def heads(reduce: Any, direction: str) -> Tuple[Tuple[float, ...], Tuple[float, ...]]:
     """The head of ``direction``'s buffer (the header, then the count's 1 forward) and
-    what the ranks' sum of the lanes :func:`global_stats` compares must be: the header
-    times the world size, then, forward, ``−1`` (a global batch of one row) and NaN
-    (which the first moment never equals: a lane that counts the steps). ``reduce``
-    ``None``: no header (nothing crosses processes)."""
-    head = () if reduce is None else reduce.head(direction)
+    what the ranks' sum of the lanes the step checks must be: the header times the world
+    size, then, forward, ``−1`` (a global batch of one row) and NaN (which the first
+    moment never equals: a lane that counts the steps). ``reduce`` ``None``: no header
+    (nothing crosses processes)."""
+    head = () if reduce is None else tuple(reduce.head(direction))
     expected = tuple(reduce.size * h for h in head)
     if direction == "fwd":
         head, expected = head + (1.0,), expected + (-1.0, NAN)
-    return constant(head, device), constant(expected, device)
+    return head, expected
 
 
 def moments_buffer(seed: Tensor, mean: Tensor, var: Tensor, rows: int, shift: Optional[Tensor] = None) -> Tensor:
     """``[seed | −n·mean | −n·(var + mean²)]`` in float64 (the seed's dtype; its last value,
     1, becomes ``−n``) from this rank's ``mean`` and ``var`` of ``rows`` rows, with ``shift``
-    added back to ``mean`` first where given. Three ops (four with a shift)."""
-    head = () if shift is None else (shift,)
-    buf = torch.cat([*head, seed, mean, var])
-    start = buf.numel() - 2 * mean.numel()
-    mean, square = buf[start:].view(2, -1).unbind()
+    added back to ``mean`` first where given (it rides at the end of the cat, cast with
+    the rest, and is cut off: the buffer starts its storage). Three ops (four with a shift)."""
+    channels, start = mean.numel(), seed.numel()
+    buf = torch.cat([seed, mean, var] + ([] if shift is None else [shift]))
+    mean, square = buf[start:start + 2 * channels].view(2, -1).unbind()
     if shift is not None:
-        mean.add_(buf[:shift.numel()])
-        buf = buf[shift.numel():]
-        start -= shift.numel()
+        mean.add_(buf[start + 2 * channels:])
+        buf = buf[:start + 2 * channels]
     square.addcmul_(mean, mean)  # var + mean²
     buf[start - 1:].mul_(-rows)
     return buf
@@ -225,6 +224,14 @@ def same_layout(dy: Tensor, x: Tensor) -> Tuple[Tensor, Tensor]:
 KERNEL_SETS = {k.name: k for k in (Native, Composite)}
 
 
+@functools.lru_cache(maxsize=None)
+def missing_kernels(device_type: str) -> Tuple[str, Tuple[str, ...]]:
+    """The dispatch key of ``device_type`` and the native set's ops that have no kernel for
+    it (asked once per process: ``missing_kernels.cache_clear()`` after registering one)."""
+    key = {"meta": "Meta", "mps": "MPS"}.get(device_type, device_type.upper())
+    return key, tuple(op for op in Native.OPS if not torch._C._dispatch_has_kernel_for_dispatch_key(f"aten::{op}", key))
+
+
 @torch.compiler.assume_constant_result
 def kernels_name(device_type: str) -> str:
     """The kernel set ``$HVD_SYNCBN_KERNELS`` picks for tensors on ``device_type``: ``auto``
@@ -234,8 +241,7 @@ def kernels_name(device_type: str) -> str:
         raise ValueError(f"expected ${KERNELS_ENV} to be 'auto', 'native' or 'composite', got {choice!r}")
     if choice == "composite":
         return choice
-    key = {"meta": "Meta", "mps": "MPS"}.get(device_type, device_type.upper())
-    missing = [op for op in Native.OPS if not torch._C._dispatch_has_kernel_for_dispatch_key(f"aten::{op}", key)]
+    key, missing = missing_kernels(device_type)
     if missing and choice == "native":
         raise ValueError(f"${KERNELS_ENV}=native: this torch has no {key} kernel of {', '.join(missing)}; expected "
                          f"tensors on a device that has torch's fused batch-norm kernels (CUDA), got {device_type} "
@@ -260,15 +266,15 @@ class Plan(NamedTuple):
     kernels: Any = Composite
 
 
-def global_stats(out: Tensor, expected: Tensor, plan: Plan) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+def global_stats(out: Tensor, expected: Tuple[float, ...], plan: Plan) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     """From the summed forward buffer ``out`` (``[W·header | −N | −Σx | −Σx²]``) and what its
-    head must be (``expected``, of :func:`seeds`): the global ``(mean, biased var)`` as a
+    head must be (``expected``, of :func:`heads`): the global ``(mean, biased var)`` as a
     ``(2, C)`` tensor in ``plan.acc``, ``invstd``, ``−N`` (NaN after a header mismatch) and
     the step's flags (:data:`hvd_syncbn.torch.deferred.SLOTS` from the first mismatch:
     a mismatch per header value, ``N ≠ 1``, the step, then non-finite statistics with
     ``check_finite``). Seven ops, and two for ``invstd``."""
-    heads = expected.numel() - 2
-    flags = torch.ne(out[:heads + 2], expected)  # [header mismatch (H), N != 1, True]
+    heads = len(expected) - 2
+    flags = torch.ne(out[:heads + 2], constant(expected, out.device))  # [header mismatch (H), N != 1, True]
     count = out[heads:heads + 1]
     if heads:
         count = torch.where(flags[:heads].any(), constant((NAN,), out.device), count)
@@ -283,54 +289,56 @@ def global_stats(out: Tensor, expected: Tensor, plan: Plan) -> Tuple[Tensor, Ten
     return stats, torch.rsqrt(stats[1] + plan.eps), count, flags
 
 
-def global_means(reduce: Any, sums: Tuple[Tensor, Tensor], count: Tensor, acc: torch.dtype) -> Tensor:
-    """The backward's collective: this rank's ``sums`` (``(C,)`` each) summed over the
-    ranks behind the header (``reduce`` ``None``: over nothing), divided by the forward's ``count`` (``−N``), as ``(2, C)``
-    in ``acc``; a row is NaN where its header value mismatched. Five ops (cat, ne,
-    where, addcdiv_ and the collective's)."""
-    device, channels = count.device, sums[0].numel()
-    seed, expected = seeds(reduce, "bwd", device)
-    heads = seed.numel()
-    # float64 by the header's dtype; with no header explicitly (inductor drops an empty tensor from a cat)
-    buf = torch.cat([seed, *sums]) if heads else torch.cat(sums).double()
-    out = buf if reduce is None else reduce(buf, "bwd")  # [W·header | ΣΣdy | ΣΣdy·x̂]
+def backward_buffer(head: Tuple[float, ...], sum_dy: Tensor, sum_dy_x: Tensor) -> Tensor:
+    """The backward's buffer ``[head | Σdy | Σdy·(x − mean)·s]``, float64."""
+    if not head:  # float64 explicitly: inductor drops an empty tensor from a cat, whose dtype promoted it
+        return torch.cat([sum_dy, sum_dy_x]).double()
+    return torch.cat([constant(head, sum_dy.device), sum_dy, sum_dy_x])
+
+
+def global_means(out: Tensor, expected: Tuple[float, ...], count: Tensor, acc: torch.dtype) -> Tensor:
+    """The summed backward buffer ``out`` (``[W·header | ΣΣdy | ΣΣdy·(x − mean)·s]``) divided
+    by the forward's ``count`` (``−N``), as ``(2, C)`` in ``acc``; a row is NaN where its
+    header value is not ``expected``. Three ops (ne, where, addcdiv_)."""
+    device, heads = out.device, len(expected)
+    channels = (out.numel() - heads) // 2
     zeros = cached(("zeros", channels, acc, device), lambda: torch.zeros(2, channels, dtype=acc, device=device))
     if heads:
-        nan = constant((NAN,), device, acc)
-        means = torch.where(torch.ne(out[:heads], expected).view(-1, 1), nan, zeros)
+        mismatch = torch.ne(out[:heads], constant(expected, device)).view(-1, 1)
+        means = torch.where(mismatch, constant((NAN,), device, acc), zeros)
     else:
         means = zeros.clone()
     return means.addcdiv_(out[heads:].view(2, -1), count)
 
 
-class DeviceFunction(torch.autograd.Function):
-    """Normalise with global statistics, one allreduce each way. Returns ``y`` and, not
-    differentiable, the global ``(mean, biased var)`` as a ``(2, C)`` tensor in the
-    accumulation dtype, ``−N`` (NaN after a header mismatch) and the step's flags
-    (:func:`hvd_syncbn.torch.deferred.record`)."""
+def forward_local(x: Tensor, head: Tuple[float, ...], plan: Plan) -> Tensor:
+    """This rank's forward buffer ``[head | −n | −n·mean | −n·(var + mean²)]`` (``head`` of
+    :func:`heads`, its last value the count's 1)."""
+    return plan.kernels.local(x, constant(head, x.device), plan.acc)
 
-    @staticmethod
-    def forward(ctx, x, weight, bias, plan: Plan):  # noqa: D401 - autograd API
-        ctx.set_materialize_grads(False)
-        seed, expected = seeds(plan.reduce, "fwd", x.device)
-        out = plan.reduce(plan.kernels.local(x, seed, plan.acc), "fwd")  # [W·header | −N | −Σx | −Σx²]
-        stats, invstd, count, flags = global_stats(out, expected, plan)
-        y = plan.kernels.normalize(x, cast(weight, plan.acc), cast(bias, plan.acc), stats, invstd, plan.eps)
-        ctx.save_for_backward(x, weight, stats, invstd, count)
-        ctx.plan = plan
-        ctx.mark_non_differentiable(stats, count, flags)
-        return y, stats, count, flags
 
-    @staticmethod
-    @once_differentiable  # the sums are taken outside autograd: a second derivative would be silently wrong
-    def backward(ctx, dy, *_):
-        x, weight, stats, invstd, count = ctx.saved_tensors
-        plan, kernels = ctx.plan, ctx.plan.kernels
-        dy = torch.zeros_like(x) if dy is None else dy
-        w = cast(weight, plan.acc)
-        sum_dy, sum_dy_x, *grads = kernels.grad_sums(dy, x, w, stats, invstd, plan.eps, plan.acc)
-        grads = [cast(g, weight.dtype) if need else None for g, need in zip(grads, ctx.needs_input_grad[1:3])]
-        if not ctx.needs_input_grad[0]:
-            return None, *grads, None
-        means = global_means(plan.reduce, (sum_dy, sum_dy_x), count, plan.acc)
-        return kernels.input_grad(dy, x, w, stats, invstd, means, plan.eps), *grads, None
+def forward_apply(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], out: Tensor,
+                  expected: Tuple[float, ...], plan: Plan) -> Tuple[Tensor, ...]:
+    """From the summed forward buffer ``out``: ``y``, the global ``(mean, biased var)`` as
+    ``(2, C)``, ``invstd`` (both in ``plan.acc``), ``−N`` and the step's flags
+    (:func:`global_stats`)."""
+    stats, invstd, count, flags = global_stats(out, expected, plan)
+    y = plan.kernels.normalize(x, cast(weight, plan.acc), cast(bias, plan.acc), stats, invstd, plan.eps)
+    return y, stats, invstd, count, flags
+
+
+def backward_local(dy: Tensor, x: Tensor, weight: Optional[Tensor], stats: Tensor, invstd: Tensor,
+                   head: Tuple[float, ...], plan: Plan) -> Tuple[Tensor, Optional[Tensor], Optional[Tensor]]:
+    """This rank's backward buffer (:func:`backward_buffer` behind ``head``) and the
+    gradients of ``γ`` and ``β`` (``None`` without ``γ``), in ``weight``'s dtype."""
+    sum_dy, sum_dy_x, *grads = plan.kernels.grad_sums(dy, x, cast(weight, plan.acc), stats, invstd, plan.eps,
+                                                      plan.acc)
+    grads = [None] * 2 if weight is None else [cast(g, weight.dtype) for g in grads]
+    return backward_buffer(head, sum_dy, sum_dy_x), *grads
+
+
+def backward_apply(dy: Tensor, x: Tensor, weight: Optional[Tensor], stats: Tensor, invstd: Tensor, count: Tensor,
+                   out: Tensor, expected: Tuple[float, ...], plan: Plan) -> Tensor:
+    """``dx`` from the summed backward buffer ``out`` (:func:`global_means`)."""
+    means = global_means(out, expected, count, plan.acc)
+    return plan.kernels.input_grad(dy, x, cast(weight, plan.acc), stats, invstd, means, plan.eps)

@@ -40,7 +40,9 @@ from torch import Tensor, nn
 from torch.autograd.function import once_differentiable
 
 from hvd_syncbn.comm import SyncBatchNormError, get_timeout
-from hvd_syncbn.torch.device import Plan, cast, constant, global_means, global_stats, seeds
+from hvd_syncbn.torch.device import (
+    Plan, backward_buffer, backward_local, cast, forward_apply, forward_local, global_means, heads,
+)
 
 _forming: "weakref.WeakKeyDictionary[nn.Module, ReplicaSet]" = weakref.WeakKeyDictionary()
 
@@ -123,23 +125,22 @@ def forward(layer: nn.Module, x: Tensor) -> Tensor:
             if reduce is not None:  # the other processes' step fails with it too (the host path's diagnosis)
                 reduce.fail(f"{type(failed).__name__}: {failed}")
             raise failed
-        return ReplicaSum.apply(plan, heads, [s for _, s in items], *(t for t, _ in items))
+        return ReplicaSum.apply(plan, [s for _, s in items], *(t for t, _ in items))
 
     try:
         layer._check_input_dim(x)
         plan = layer._plan(x, reduce)
-        seed = seeds(reduce, "fwd", x.device)[0]
-        heads = seed.numel() - 1
-        if rank > 0 and heads:  # the header once per process: the others add zeros
-            seed = constant((0.0,) * heads + (1.0,), x.device)
-        tail = ReplicaStats.apply(x, layer.weight, plan, seed, state)
+        head = heads(reduce, "fwd")[0]
+        if rank > 0:  # the header once per process: the others add zeros
+            head = (0.0,) * (len(head) - 1) + (1.0,)
+        tail = ReplicaStats.apply(x, layer.weight, plan, head, state)
     except BaseException as e:  # noqa: BLE001 - every replica fails with it
         replicas.meet(rank, round, e, combine, get_timeout())
         raise
     total = replicas.meet(rank, round, (tail, state), combine, get_timeout())
-    y, stats, count, flags = ReplicaNorm.apply(x, layer.weight, layer.bias, total.to(x.device), plan, heads, state)
+    y, stats, count, flags = ReplicaNorm.apply(x, layer.weight, layer.bias, total.to(x.device), plan, state)
     if rank == 0:  # the module DataParallel keeps gets the flags and the running statistics, once
-        replicas.origin._after_step(stats, count, flags, heads)
+        replicas.origin._after_step(stats, count, flags, len(head) - 1)
     return y
 
 
@@ -149,16 +150,16 @@ class ReplicaStats(torch.autograd.Function):
     ``x``'s gradient (``weight`` is only read)."""
 
     @staticmethod
-    def forward(ctx, x, weight, plan: Plan, seed: Tensor, state: State):  # noqa: D401 - autograd API
+    def forward(ctx, x, weight, plan: Plan, head: tuple, state: State):  # noqa: D401 - autograd API
         ctx.save_for_backward(x, weight)
-        ctx.plan, ctx.state, ctx.heads = plan, state, seed.numel() - 1
-        return plan.kernels.local(x, seed, plan.acc)
+        ctx.plan, ctx.state, ctx.head = plan, state, head
+        return forward_local(x, head, plan)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, means):
         (x, weight), state, plan = ctx.saved_tensors, ctx.state, ctx.plan
-        means = means[ctx.heads + 1:].view(2, -1).to(plan.acc, copy=True)  # each replica's own: used in place
+        means = means[len(ctx.head):].view(2, -1).to(plan.acc, copy=True)  # each replica's own: used in place
         dx = plan.kernels.input_grad(state.dy, x, cast(weight, plan.acc), state.stats, state.invstd, means, plan.eps)
         return dx, None, None, None, None
 
@@ -169,8 +170,8 @@ class ReplicaSum(torch.autograd.Function):
     ``−N`` (:func:`~hvd_syncbn.torch.device.global_means`), to each replica."""
 
     @staticmethod
-    def forward(ctx, plan: Plan, heads: int, states: List[State], *tails):  # noqa: D401 - autograd API
-        ctx.plan, ctx.heads, ctx.states, ctx.devices = plan, heads, states, [t.device for t in tails]
+    def forward(ctx, plan: Plan, states: List[State], *tails):  # noqa: D401 - autograd API
+        ctx.plan, ctx.states, ctx.devices = plan, states, [t.device for t in tails]
         total = tails[0].clone()
         for t in tails[1:]:
             total += t.to(total.device)
@@ -179,10 +180,14 @@ class ReplicaSum(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, sums):
-        plan, heads = ctx.plan, ctx.heads
-        means = global_means(plan.reduce, sums[heads + 1:].view(2, -1).unbind(), ctx.states[0].count, plan.acc)
-        grad = torch.cat([sums[:heads + 1], means.view(-1)])
-        return None, None, None, *(grad.to(device) for device in ctx.devices)
+        plan = ctx.plan
+        (fwd_head, _), (head, expected) = heads(plan.reduce, "fwd"), heads(plan.reduce, "bwd")
+        local = sums[len(fwd_head):]  # [Σdy | Σdy·(x − mean)·s], summed over the replicas
+        buf = backward_buffer(head, *local.view(2, -1).unbind())
+        out = buf if plan.reduce is None else plan.reduce(buf, "bwd")
+        means = global_means(out, expected, ctx.states[0].count, plan.acc)
+        grad = torch.cat([sums[:len(fwd_head)], means.view(-1)])
+        return None, None, *(grad.to(device) for device in ctx.devices)
 
 
 class ReplicaNorm(torch.autograd.Function):
@@ -191,14 +196,12 @@ class ReplicaNorm(torch.autograd.Function):
     of ``γ`` and ``β``, and this replica's gradient sums to the buffer."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, out, plan: Plan, heads: int, state: State):  # noqa: D401 - autograd API
+    def forward(ctx, x, weight, bias, out, plan: Plan, state: State):  # noqa: D401 - autograd API
         ctx.set_materialize_grads(False)
-        state.stats, state.invstd, state.count, flags = global_stats(out, seeds(plan.reduce, "fwd", x.device)[1],
-                                                                     plan)
-        y = plan.kernels.normalize(x, cast(weight, plan.acc), cast(bias, plan.acc), state.stats, state.invstd,
-                                   plan.eps)
+        head, expected = heads(plan.reduce, "fwd")
+        y, state.stats, state.invstd, state.count, flags = forward_apply(x, weight, bias, out, expected, plan)
         ctx.save_for_backward(x, weight)
-        ctx.plan, ctx.state, ctx.heads = plan, state, heads
+        ctx.plan, ctx.state, ctx.head = plan, state, head
         ctx.mark_non_differentiable(state.stats, state.count, flags)
         return y, state.stats, state.count, flags
 
@@ -208,8 +211,7 @@ class ReplicaNorm(torch.autograd.Function):
         x, weight = ctx.saved_tensors
         state, plan = ctx.state, ctx.plan
         state.dy = torch.zeros_like(x) if dy is None else dy
-        sum_dy, sum_dy_x, *grads = plan.kernels.grad_sums(state.dy, x, cast(weight, plan.acc), state.stats,
-                                                          state.invstd, plan.eps, plan.acc)
-        grads = [cast(g, weight.dtype) if need else None for g, need in zip(grads, ctx.needs_input_grad[1:3])]
-        zeros = constant((0.0,) * (ctx.heads + 1), x.device)
-        return None, *grads, torch.cat([zeros, sum_dy, sum_dy_x]), None, None, None
+        zeros = (0.0,) * len(ctx.head)  # the buffer's head gets no gradient
+        buf, *grads = backward_local(state.dy, x, weight, state.stats, state.invstd, zeros, plan)
+        grads = [g if need else None for g, need in zip(grads, ctx.needs_input_grad[1:3])]
+        return None, *grads, buf, None, None

@@ -199,8 +199,7 @@ def test_native_variance_at_large_offsets_within_its_bound(offset):
         seed = device.constant((1.0,), torch.device("cpu"))
         with cuda_kernels.registered():
             total = sum(kernels.local(s, seed, torch.float32) for s in shards)
-        expected = device.constant((-1.0, float("nan")), torch.device("cpu"))
-        stats = device.global_stats(total, expected, plan)[0]  # [−N | −Σx | −Σx²], no header
+        stats = device.global_stats(total, (-1.0, float("nan")), plan)[0]  # [−N | −Σx | −Σx²], no header
         err = np.abs(stats[1].double().numpy() - want)
         assert (err <= bound).all(), f"{kernels.name} at offset {offset:g}: error {err} > bound {bound}"
 
@@ -245,3 +244,58 @@ def test_configurations_on_each_kernel_set_match_plain_bn(kernels, case):
             lambda rank: TorchTrainer(layers[rank], channels_last, dtype),
             [TorchTrainer(plain, channels_last, dtype), TorchTrainer(copy.deepcopy(plain).double(), channels_last)],
             as_accurate())
+
+
+@pytest.fixture
+def gloo_world(tmp_path):
+    """A real ``torch.distributed`` group of 1 (Gloo) whose communicator every
+    SyncBatchNorm gets (alone it would be plain BN): the functional collectives' path."""
+    import torch.distributed as dist
+
+    from hvd_syncbn.torch.transports import TorchDistComm
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
+    comm = TorchDistComm(None)
+    real = SyncBatchNorm._comm
+    SyncBatchNorm._comm = lambda self, nccl=False: comm
+    try:
+        yield comm
+    finally:
+        SyncBatchNorm._comm = real
+        dist.destroy_process_group()
+
+
+OPAQUE = {"forward_local", "forward_apply", "backward_local", "backward_apply"}
+
+
+def test_compiled_step_is_four_opaque_ops_whatever_the_shapes(gloo_world, kernels):
+    """``torch.compile(fullgraph=True, dynamic=True)`` of a conv and a SyncBN layer: the
+    traced graphs hold the step's four custom ops and no batch-norm kernel (torch's fused
+    ones have no fake implementation: with symbolic shapes they could not be traced), and
+    two batch sizes train as float64 plain BN on the same batch."""
+    graphs = []
+
+    def keep(gm, example_inputs):
+        graphs.append(gm)
+        return make_boxed_func(gm.forward)
+
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    torch.manual_seed(0)
+    ours = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), SyncBatchNorm(4, stats="device"))
+    plain = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4)).double()
+    plain.load_state_dict(ours.state_dict())
+    step = torch.compile(ours, fullgraph=True, dynamic=True, backend=aot_autograd(fw_compiler=keep, bw_compiler=keep))
+    for rows in (5, 7):
+        x = torch.randn(rows, 3, 6, 6) * 2 + 3
+        dy = torch.randn(rows, 4, 6, 6)
+        step(x).backward(dy)
+        plain(x.double()).backward(dy.double())
+        for (name, p), q in zip(ours.named_parameters(), plain.parameters()):
+            torch.testing.assert_close(p.grad.double(), q.grad, rtol=1e-4, atol=1e-4, msg=f"{rows} rows: {name}")
+            p.grad = q.grad = None
+        torch.testing.assert_close(ours[1].running_var.double(), plain[1].running_var, rtol=1e-5, atol=1e-6)
+    targets = [str(n.target) for gm in graphs for n in gm.graph.nodes if n.op == "call_function"]
+    assert OPAQUE <= {t.split(".")[1] for t in targets if t.startswith("hvd_syncbn.")}, targets
+    assert not [t for t in targets if "batch_norm" in t], targets

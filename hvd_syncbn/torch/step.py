@@ -1,0 +1,139 @@
+"""One training step of the device path (:mod:`hvd_syncbn.torch.device`): the autograd
+Function around its four phases and two collectives.
+
+Eagerly the phases are Python calls. Under ``torch.compile`` each is a custom op
+(``hvd_syncbn::forward_local``, ``forward_apply``, ``backward_local``,
+``backward_apply``) with a fake implementation: Dynamo and AOTAutograd see four ops and
+the collectives per layer step, not the ops inside (a first compile near plain BN's),
+and torch's fused kernels, which have no fake (Meta) implementation, never meet fake
+tensors. The ops are opaque to inductor, which runs them as they are; the running
+update and the flags around them (the module's) it fuses.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, List, Optional, Tuple
+
+import torch
+from torch import Tensor
+from torch._prims_common import suggest_memory_format
+from torch.autograd.function import once_differentiable
+
+from hvd_syncbn.torch.device import (
+    KERNEL_SETS, Plan, backward_apply, backward_local, forward_apply, forward_local, heads,
+)
+
+
+def _plan(eps: float, acc: torch.dtype, check_finite: bool, kernels: str) -> Plan:
+    return Plan(None, eps, acc, check_finite, KERNEL_SETS[kernels])
+
+
+def _like(t: Tensor, x: Tensor) -> Tensor:
+    """``t`` (``x``'s shape) in ``x``'s suggested memory format: what the fake says."""
+    return t.contiguous(memory_format=suggest_memory_format(x))
+
+
+@torch.library.custom_op("hvd_syncbn::forward_local", mutates_args=())
+def _forward_local(x: Tensor, head: List[float], eps: float, acc: torch.dtype, kernels: str) -> Tensor:
+    return forward_local(x, tuple(head), _plan(eps, acc, False, kernels))
+
+
+@_forward_local.register_fake
+def _(x, head, eps, acc, kernels):
+    return x.new_empty(len(head) + 2 * x.shape[1], dtype=torch.float64)
+
+
+@torch.library.custom_op("hvd_syncbn::forward_apply", mutates_args=())
+def _forward_apply(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], out: Tensor, expected: List[float],
+                   eps: float, acc: torch.dtype, check_finite: bool, kernels: str
+                   ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    y, stats, invstd, count, flags = forward_apply(x, weight, bias, out, tuple(expected),
+                                                   _plan(eps, acc, check_finite, kernels))
+    return _like(y, x), stats, invstd, count.clone(), flags  # with no header, the count is a view of out
+
+
+@_forward_apply.register_fake
+def _(x, weight, bias, out, expected, eps, acc, check_finite, kernels):
+    channels = x.shape[1]
+    return (torch.empty_like(x, memory_format=suggest_memory_format(x)), x.new_empty(2, channels, dtype=acc),
+            x.new_empty(channels, dtype=acc), x.new_empty(1, dtype=torch.float64),
+            x.new_empty(len(expected) + check_finite, dtype=torch.bool))
+
+
+@torch.library.custom_op("hvd_syncbn::backward_local", mutates_args=())
+def _backward_local(dy: Tensor, x: Tensor, weight: Optional[Tensor], stats: Tensor, invstd: Tensor, head: List[float],
+                    eps: float, acc: torch.dtype, kernels: str) -> Tuple[Tensor, Tensor]:
+    buf, *grads = backward_local(dy, x, weight, stats, invstd, tuple(head), _plan(eps, acc, False, kernels))
+    return buf, x.new_empty(0) if weight is None else torch.stack(grads)
+
+
+@_backward_local.register_fake
+def _(dy, x, weight, stats, invstd, head, eps, acc, kernels):
+    grads = x.new_empty(0) if weight is None else weight.new_empty(2, x.shape[1])
+    return x.new_empty(len(head) + 2 * x.shape[1], dtype=torch.float64), grads
+
+
+@torch.library.custom_op("hvd_syncbn::backward_apply", mutates_args=())
+def _backward_apply(dy: Tensor, x: Tensor, weight: Optional[Tensor], stats: Tensor, invstd: Tensor, count: Tensor,
+                    out: Tensor, expected: List[float], eps: float, acc: torch.dtype, kernels: str) -> Tensor:
+    dx = backward_apply(dy, x, weight, stats, invstd, count, out, tuple(expected), _plan(eps, acc, False, kernels))
+    return _like(dx, x)
+
+
+@_backward_apply.register_fake
+def _(dy, x, weight, stats, invstd, count, out, expected, eps, acc, kernels):
+    return torch.empty_like(x, memory_format=suggest_memory_format(x))
+
+
+TRACED = {
+    forward_local: lambda x, head, p: _forward_local(x, list(head), p.eps, p.acc, p.kernels.name),
+    forward_apply: lambda x, w, b, out, expected, p: _forward_apply(x, w, b, out, list(expected), p.eps, p.acc,
+                                                                     p.check_finite, p.kernels.name),
+    backward_local: lambda dy, x, w, stats, invstd, head, p: _split(w, *_backward_local(
+        dy, x, w, stats, invstd, list(head), p.eps, p.acc, p.kernels.name)),
+    backward_apply: lambda dy, x, w, stats, invstd, count, out, expected, p: _backward_apply(
+        dy, x, w, stats, invstd, count, out, list(expected), p.eps, p.acc, p.kernels.name),
+}
+"""Each phase as its custom op takes it: the heads as lists, the plan as its fields."""
+
+
+def _split(weight: Optional[Tensor], buf: Tensor, grads: Tensor) -> tuple:
+    return buf, *((None, None) if weight is None else grads.unbind())
+
+
+def phase(fn: Callable, *args):
+    """``fn(*args)`` (a phase of :mod:`hvd_syncbn.torch.device`, the plan last): a call
+    eagerly, its custom op when ``torch.compile`` traces."""
+    return TRACED[fn](*args) if torch.compiler.is_compiling() else fn(*args)
+
+
+class DeviceFunction(torch.autograd.Function):
+    """Normalise with global statistics, one allreduce each way. Returns ``y`` and, not
+    differentiable, the global ``(mean, biased var)`` as a ``(2, C)`` tensor in the
+    accumulation dtype, ``−N`` (NaN after a header mismatch) and the step's flags
+    (:func:`hvd_syncbn.torch.deferred.record`)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, plan: Plan):  # noqa: D401 - autograd API
+        ctx.set_materialize_grads(False)
+        head, expected = heads(plan.reduce, "fwd")
+        out = plan.reduce(phase(forward_local, x, head, plan), "fwd")  # [W·header | −N | −Σx | −Σx²]
+        y, stats, invstd, count, flags = phase(forward_apply, x, weight, bias, out, expected, plan)
+        ctx.save_for_backward(x, weight, stats, invstd, count)
+        ctx.plan = plan
+        ctx.mark_non_differentiable(stats, count, flags)
+        return y, stats, count, flags
+
+    @staticmethod
+    @once_differentiable  # the sums are taken outside autograd: a second derivative would be silently wrong
+    def backward(ctx, dy, *_):
+        x, weight, stats, invstd, count = ctx.saved_tensors
+        plan = ctx.plan
+        dy = torch.zeros_like(x) if dy is None else dy
+        head, expected = heads(plan.reduce, "bwd")
+        buf, *grads = phase(backward_local, dy, x, weight, stats, invstd, head, plan)
+        grads = [g if need else None for g, need in zip(grads, ctx.needs_input_grad[1:3])]
+        if not ctx.needs_input_grad[0]:
+            return None, *grads, None
+        out = plan.reduce(buf, "bwd")  # [W·header | ΣΣdy | ΣΣdy·(x − mean)·s]
+        return phase(backward_apply, dy, x, weight, stats, invstd, count, out, expected, plan), *grads, None
