@@ -126,12 +126,19 @@ def elemt(x, weight, bias, mean, invstd, eps):
     return y.to(x.dtype).contiguous(memory_format=memory_format(x))
 
 
-def backward_reduce(dy, x, mean, invstd, weight, input_g, weight_g, bias_g):
-    op = "batch_norm_backward_reduce"
+def check_backward(op: str, dy: Tensor, x: Tensor, mean: Tensor, invstd: Tensor) -> torch.dtype:
+    """What both backward kernels check: the input, ``dy`` in its dtype, the statistics;
+    the accumulation dtype."""
     acc = acc_of(op, x)
     check_input(op, x)
     check_dtype(op, "grad_output", dy, x.dtype)
     check_stats(op, acc, mean, invstd)
+    return acc
+
+
+def backward_reduce(dy, x, mean, invstd, weight, input_g, weight_g, bias_g):
+    op = "batch_norm_backward_reduce"
+    acc = check_backward(op, dy, x, mean, invstd)
     check_params(op, x, acc, weight)
     if (weight_g or bias_g) and weight is None:
         raise RuntimeError(f"{op}: the gradients of weight and bias take weight's dtype: expected a weight")
@@ -146,10 +153,7 @@ def backward_reduce(dy, x, mean, invstd, weight, input_g, weight_g, bias_g):
 
 def backward_elemt(dy, x, mean, invstd, weight, sum_dy, sum_dy_xmu, count):
     op = "batch_norm_backward_elemt"
-    acc = acc_of(op, x)
-    check_input(op, x)
-    check_dtype(op, "input", x, dy.dtype)
-    check_stats(op, acc, mean, invstd)
+    acc = check_backward(op, dy, x, mean, invstd)
     for name, t in (("sum_dy", sum_dy), ("sum_dy_xmu", sum_dy_xmu)):
         check_dtype(op, name, t, acc)
     # the contiguous kernel takes a half input's γ in float32 only; the others the input's dtype
