@@ -67,7 +67,8 @@ def constant(values: Tuple[float, ...], device: torch.device, dtype: torch.dtype
             t[i] = v
         return t
 
-    return cached(("values", values, device, dtype), make)
+    key = tuple("nan" if v != v else v for v in values)  # NaN equals nothing, itself included: not as a key
+    return cached(("values", key, device, dtype), make)
 
 
 def heads(reduce: Any, direction: str) -> Tuple[Tuple[float, ...], Tuple[float, ...]]:

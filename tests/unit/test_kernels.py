@@ -21,6 +21,7 @@ import cuda_kernels  # noqa: E402
 from conftest import collective_timeout, results, run, world  # noqa: E402
 from hvd_syncbn.torch import SyncBatchNorm  # noqa: E402
 from hvd_syncbn.torch import device  # noqa: E402
+from hvd_syncbn.torch import kernels as kernels_module  # noqa: E402
 from oracle import UNEQUAL, Ranks, TorchTrainer, as_accurate, eval_batch, shard_sizes, train_like_one_process  # noqa: E402
 from oracle import training_batches  # noqa: E402
 
@@ -272,7 +273,9 @@ def test_compiled_step_is_four_opaque_ops_whatever_the_shapes(gloo_world, kernel
     """``torch.compile(fullgraph=True, dynamic=True)`` of a conv and a SyncBN layer: the
     traced graphs hold the step's four custom ops and no batch-norm kernel (torch's fused
     ones have no fake implementation: with symbolic shapes they could not be traced), and
-    two batch sizes train as float64 plain BN on the same batch."""
+    two batch sizes train as float64 plain BN on the same batch; the ops make their
+    constants once (the heads cross the ops as floats: a NaN among them is a new object
+    at every call)."""
     graphs = []
 
     def keep(gm, example_inputs):
@@ -287,6 +290,7 @@ def test_compiled_step_is_four_opaque_ops_whatever_the_shapes(gloo_world, kernel
     plain = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4)).double()
     plain.load_state_dict(ours.state_dict())
     step = torch.compile(ours, fullgraph=True, dynamic=True, backend=aot_autograd(fw_compiler=keep, bw_compiler=keep))
+    constants = []
     for rows in (5, 7):
         x = torch.randn(rows, 3, 6, 6) * 2 + 3
         dy = torch.randn(rows, 4, 6, 6)
@@ -296,6 +300,8 @@ def test_compiled_step_is_four_opaque_ops_whatever_the_shapes(gloo_world, kernel
             torch.testing.assert_close(p.grad.double(), q.grad, rtol=1e-4, atol=1e-4, msg=f"{rows} rows: {name}")
             p.grad = q.grad = None
         torch.testing.assert_close(ours[1].running_var.double(), plain[1].running_var, rtol=1e-5, atol=1e-6)
+        constants.append(len(kernels_module._cache))
+    assert constants[0] == constants[1], f"the ops made new constants at the second step: {constants}"
     targets = [str(n.target) for gm in graphs for n in gm.graph.nodes if n.op == "call_function"]
     assert OPAQUE <= {t.split(".")[1] for t in targets if t.startswith("hvd_syncbn.")}, targets
     assert not [t for t in targets if "batch_norm" in t], targets
