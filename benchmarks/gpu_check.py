@@ -175,8 +175,9 @@ def torch_syncbn(channels: int):
 
 
 class KernelSet(nn.Module):
-    """A SyncBatchNorm whose steps run on one kernel set (``$HVD_SYNCBN_KERNELS``, set at
-    each call: the layers read it at each step)."""
+    """A SyncBatchNorm whose steps run on one kernel set (``$HVD_SYNCBN_KERNELS``, set for
+    each forward, which picks the set for its backward too, and put back after it: the
+    later sections take the default)."""
 
     def __init__(self, channels: int, kernels: str) -> None:
         super().__init__()
@@ -184,8 +185,15 @@ class KernelSet(nn.Module):
         self.weight, self.bias = self.bn.weight, self.bn.bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        before = os.environ.get("HVD_SYNCBN_KERNELS")
         os.environ["HVD_SYNCBN_KERNELS"] = self.kernels
-        return self.bn(x)
+        try:
+            return self.bn(x)
+        finally:
+            if before is None:
+                del os.environ["HVD_SYNCBN_KERNELS"]
+            else:
+                os.environ["HVD_SYNCBN_KERNELS"] = before
 
 
 def ours(kernels: str):

@@ -185,6 +185,25 @@ def fake_world():
 
 
 @pytest.fixture
+def gloo_world(tmp_path, monkeypatch):
+    """A real ``torch.distributed`` group of 1 (Gloo) whose communicator every PyTorch
+    SyncBatchNorm gets (alone it would be plain BN): the device path's functional
+    collectives with their header, in one process."""
+    import torch.distributed as dist
+
+    from hvd_syncbn.torch import SyncBatchNorm
+    from hvd_syncbn.torch.transports import TorchDistComm
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
+    try:
+        comm = TorchDistComm(None)
+        monkeypatch.setattr(SyncBatchNorm, "_comm", lambda self, nccl=False: comm)
+        yield comm
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture
 def rank_tmp():
     """A temporary folder of this process's own. (pytest's ``tmp_path`` keeps one numbered
     base folder and a ``pytest-current`` link per user, which the ranks of a job race to
@@ -197,11 +216,7 @@ def rank_tmp():
 def kernels(request, monkeypatch):
     """The PyTorch device path on each of its kernel sets (``$HVD_SYNCBN_KERNELS``); the
     native one through ``cuda_kernels.py``'s CPU stand-ins of torch's CUDA-only kernels."""
-    monkeypatch.setenv("HVD_SYNCBN_KERNELS", request.param)
-    if request.param == "composite":
-        yield request.param
-        return
     import cuda_kernels
 
-    with cuda_kernels.registered():
+    with cuda_kernels.chosen(request.param, monkeypatch):
         yield request.param

@@ -25,7 +25,7 @@ saying so (an empty input, which a channels-last kernel launches as an empty gri
 channels-last kernel by ``dy``'s and reads ``x`` in it). There is no Meta kernel, as on
 CUDA: under ``torch.compile`` the layer must not hand these ops to fake tensors.
 
-Use :func:`registered` as a context manager (or the ``cuda_kernels`` fixture).
+Use :func:`registered` as a context manager, or :func:`chosen` (the ``kernels`` fixture's).
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ from typing import Optional
 
 import torch
 from torch import Tensor
+from torch._prims_common import suggest_memory_format  # what CUDA gives an output
 
 ACC = {torch.float16: torch.float32, torch.bfloat16: torch.float32, torch.float32: torch.float32,
        torch.float64: torch.float64}
@@ -83,13 +84,10 @@ def dims(x: Tensor) -> list:
     return [0, *range(2, x.dim())]
 
 
-def memory_format(x: Tensor) -> torch.memory_format:
-    """``suggest_memory_format``: what CUDA gives the output."""
-    if x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous():
-        return torch.channels_last
-    if x.dim() == 5 and x.is_contiguous(memory_format=torch.channels_last_3d) and not x.is_contiguous():
-        return torch.channels_last_3d
-    return torch.contiguous_format
+def layout(t: Tensor) -> tuple:
+    """Where ``t``'s elements lie: its strides but those of dims of size 1 (any stride
+    there addresses the same memory, as a kernel reading by pointer sees it)."""
+    return tuple(s if n > 1 else None for n, s in zip(t.shape, t.stride()))
 
 
 def channels_last_kernels(t: Tensor) -> bool:
@@ -123,7 +121,7 @@ def elemt(x, weight, bias, mean, invstd, eps):
         y = y * channel(weight, x)
     if bias is not None:
         y = y + channel(bias, x)
-    return y.to(x.dtype).contiguous(memory_format=memory_format(x))
+    return y.to(x.dtype).contiguous(memory_format=suggest_memory_format(x))
 
 
 def check_backward(op: str, dy: Tensor, x: Tensor, mean: Tensor, invstd: Tensor) -> torch.dtype:
@@ -159,7 +157,7 @@ def backward_elemt(dy, x, mean, invstd, weight, sum_dy, sum_dy_xmu, count):
     # the contiguous kernel takes a half input's γ in float32 only; the others the input's dtype
     check_dtype(op, "weight", weight, acc)
     check_dtype(op, "count", count, torch.int32)
-    if channels_last_kernels(dy) and x.stride() != dy.stride():
+    if channels_last_kernels(dy) and layout(x) != layout(dy):
         raise RuntimeError(f"{op}: grad_output takes the channels-last kernel, which reads input in its layout: "
                            f"expected input with strides {dy.stride()}, got {x.stride()}")
     n = count.sum(dtype=torch.int64).double()
@@ -168,7 +166,7 @@ def backward_elemt(dy, x, mean, invstd, weight, sum_dy, sum_dy_xmu, count):
           * channel(sum_dy_xmu, x) / n) * inv
     if weight is not None:
         dx = dx * channel(weight, x)
-    return dx.to(x.dtype).contiguous(memory_format=memory_format(dy))
+    return dx.to(x.dtype).contiguous(memory_format=suggest_memory_format(dy))
 
 
 STAND_INS = {"batch_norm_update_stats": update_stats, "batch_norm_elemt": elemt,
@@ -176,15 +174,15 @@ STAND_INS = {"batch_norm_update_stats": update_stats, "batch_norm_elemt": elemt,
 
 
 @contextlib.contextmanager
-def registered():
-    """The stand-ins as the CPU kernels of their aten ops inside the block (the CPU's own
-    ``batch_norm_update_stats`` back after it)."""
+def registered(kernels: Optional[dict] = None):
+    """``kernels`` (default: the stand-ins; ``{op name: function}``) as the CPU kernels of
+    their aten ops inside the block (the CPU's own ``batch_norm_update_stats`` back after it)."""
     from hvd_syncbn.torch.device import missing_kernels
 
     lib = torch.library.Library("aten", "IMPL")
     with warnings.catch_warnings():  # "Overriding a previously registered kernel": the CPU update_stats
         warnings.simplefilter("ignore")
-        for name, fn in STAND_INS.items():
+        for name, fn in (STAND_INS if kernels is None else kernels).items():
             lib.impl(name, fn, "CPU")
     missing_kernels.cache_clear()  # the layers ask the dispatcher once per process
     try:
@@ -192,3 +190,13 @@ def registered():
     finally:
         lib._destroy()
         missing_kernels.cache_clear()
+
+
+@contextlib.contextmanager
+def chosen(kernels: str, monkeypatch):
+    """The device path on the kernel set ``kernels`` (``native`` or ``composite``) inside
+    the block: ``$HVD_SYNCBN_KERNELS`` set by ``monkeypatch``, the native set through
+    the stand-ins."""
+    monkeypatch.setenv("HVD_SYNCBN_KERNELS", kernels)
+    with registered() if kernels == "native" else contextlib.nullcontext():
+        yield

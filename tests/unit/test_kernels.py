@@ -32,7 +32,7 @@ def test_stand_ins_agree_with_torchs_cpu_kernels_and_refuse_what_cuda_refuses():
     """The stand-ins against torch's CPU batch-norm kernels on one batch (bfloat16 input,
     float32 statistics and parameters; float32 channels-last): statistics, output,
     gradient sums and the input gradient with the count of the whole batch; then the
-    arguments CUDA's kernels refuse."""
+    arguments CUDA's kernels refuse, and one layout they take."""
     with cuda_kernels.registered():
         for x in (torch.randn(5, 3, 4, 4, dtype=torch.bfloat16) * 2 + 3,
                   torch.randn(5, 3, 4, 4).contiguous(memory_format=torch.channels_last)):
@@ -75,6 +75,10 @@ def test_stand_ins_agree_with_torchs_cpu_kernels_and_refuse_what_cuda_refuses():
         for call, message in refused:
             with pytest.raises(RuntimeError, match=message):
                 call()
+        # strides of dims of size 1 address nothing: (2, 3, 1, 1) is one layout, whatever they say
+        ones = torch.randn(2, 3, 1, 1)  # strides (3, 1, 1, 1), a copy (3, 1, 3, 3)
+        torch.batch_norm_backward_elemt(ones, torch.empty_strided((2, 3, 1, 1), (3, 1, 3, 3)).copy_(ones), mean, var,
+                                        None, mean, var, torch.tensor([2], dtype=torch.int32))
     with pytest.raises(NotImplementedError):  # gone with the block, as on a machine without CUDA
         torch.batch_norm_elemt(x, None, None, mean, var, 0.0)
 
@@ -245,25 +249,6 @@ def test_configurations_on_each_kernel_set_match_plain_bn(kernels, case):
             lambda rank: TorchTrainer(layers[rank], channels_last, dtype),
             [TorchTrainer(plain, channels_last, dtype), TorchTrainer(copy.deepcopy(plain).double(), channels_last)],
             as_accurate())
-
-
-@pytest.fixture
-def gloo_world(tmp_path):
-    """A real ``torch.distributed`` group of 1 (Gloo) whose communicator every
-    SyncBatchNorm gets (alone it would be plain BN): the functional collectives' path."""
-    import torch.distributed as dist
-
-    from hvd_syncbn.torch.transports import TorchDistComm
-
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
-    comm = TorchDistComm(None)
-    real = SyncBatchNorm._comm
-    SyncBatchNorm._comm = lambda self, nccl=False: comm
-    try:
-        yield comm
-    finally:
-        SyncBatchNorm._comm = real
-        dist.destroy_process_group()
 
 
 OPAQUE = {"forward_local", "forward_apply", "backward_local", "backward_apply"}
