@@ -25,7 +25,6 @@ import os
 import sys
 import tempfile
 import time
-import warnings
 from pathlib import Path
 
 import torch
@@ -33,11 +32,11 @@ import torch.distributed as dist
 from torch import nn
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
+sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks"), str(ROOT / "tests")]
+import cuda_kernels  # noqa: E402  (its registration, here of stubs)
 from common import timed  # noqa: E402
 
 from hvd_syncbn.torch import SyncBatchNorm  # noqa: E402
-from hvd_syncbn.torch.device import missing_kernels  # noqa: E402
 from hvd_syncbn.torch.transports import TorchDistComm  # noqa: E402
 
 STUBS = {  # the native set's kernels as empty results of the shapes and dtypes CUDA returns
@@ -47,16 +46,6 @@ STUBS = {  # the native set's kernels as empty results of the shapes and dtypes 
         mean.new_empty(x.shape[1]), mean.new_empty(x.shape[1]), *((w.new_empty(x.shape[1]),) * 2 if wg else (None,) * 2)),
     "batch_norm_backward_elemt": lambda dy, x, mean, invstd, w, sum_dy, sum_dy_xmu, count: torch.empty_like(x),
 }
-
-
-def stubbed() -> torch.library.Library:
-    lib = torch.library.Library("aten", "IMPL")
-    with warnings.catch_warnings():  # the CPU's own batch_norm_update_stats, overridden
-        warnings.simplefilter("ignore")
-        for name, fn in STUBS.items():
-            lib.impl(name, fn, "CPU")
-    missing_kernels.cache_clear()
-    return lib
 
 
 def main() -> None:
@@ -81,12 +70,13 @@ def main() -> None:
                 torch.autograd.grad(layer(x), args_, dy)
         return run
 
-    lib = stubbed()  # on for every setting: only the native set calls these ops
+    stubs = cuda_kernels.registered(STUBS)  # on for every setting: only the native set calls these ops
+    stubs.__enter__()
     settings = {"BN": steps(nn.BatchNorm2d(64)), "BN again": steps(nn.BatchNorm2d(64)),
                 "composite": steps(SyncBatchNorm(64, stats="device"), "composite"),
                 "native (kernels stubbed)": steps(SyncBatchNorm(64, stats="device"), "native")}
     result = timed(settings, args.iters, lambda: None)
-    lib._destroy()
+    stubs.__exit__(None, None, None)
     base = result["BN"]["median"]
     print(f"bench_device: host time per layer step, (2, 64, 4, 4) float32, fwd+bwd, 1-rank Gloo, "
           f"torch {torch.__version__}, {args.iters} runs of {args.steps} steps, {time.strftime('%Y-%m-%d')}")

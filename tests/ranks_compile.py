@@ -13,7 +13,6 @@ CPU stand-ins of ``cuda_kernels.py``) eagerly and under ``aot_eager``.
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import os
 import subprocess
@@ -121,11 +120,8 @@ def test_converted_cnn_matches_plain_bn_on_the_whole_batch(mode, monkeypatch):
 
 
 def trains_as_plain_bn_on_the_whole_batch(mode, monkeypatch):
-    native = mode.endswith("-native")
-    mode = mode.removesuffix("-native")
-    monkeypatch.setenv("HVD_SYNCBN_KERNELS", "native" if native else "composite")
-    with cuda_kernels.registered() if native else contextlib.nullcontext():
-        trains_on_one_kernel_set(mode)
+    with cuda_kernels.chosen("native" if mode.endswith("-native") else "composite", monkeypatch):
+        trains_on_one_kernel_set(mode.removesuffix("-native"))
 
 
 def trains_on_one_kernel_set(mode):

@@ -22,7 +22,7 @@ Functions per layer and step:
   replica's has arrived, sums it over the processes (the backward collective) and hands
   the global sums, divided by ``−N``, to every replica's
 - :class:`ReplicaStats`, whose backward gives ``x`` its gradient (the kernel set's
-  ``input_grad``, as :class:`~hvd_syncbn.torch.device.DeviceFunction`'s backward).
+  ``input_grad``, as :class:`~hvd_syncbn.torch.step.DeviceFunction`'s backward).
 
 Replicas run eagerly: under ``torch.compile`` the layer is a graph break
 (``torch.compiler.disable``; with ``fullgraph=True`` Dynamo raises, saying so), as
@@ -191,7 +191,7 @@ class ReplicaSum(torch.autograd.Function):
 
 
 class ReplicaNorm(torch.autograd.Function):
-    """``y`` from ``x`` and the summed buffer, as :class:`~hvd_syncbn.torch.device.DeviceFunction`
+    """``y`` from ``x`` and the summed buffer, as :class:`~hvd_syncbn.torch.step.DeviceFunction`
     after its collective; backward: ``dy`` kept for :class:`ReplicaStats`, the gradients
     of ``γ`` and ``β``, and this replica's gradient sums to the buffer."""
 

@@ -14,12 +14,10 @@ run on both (the ``kernels`` fixture).
 from __future__ import annotations
 
 import contextlib
-import tempfile
 
 import pytest
 
 torch = pytest.importorskip("torch")
-import torch.distributed as dist  # noqa: E402
 from torch import nn  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
@@ -190,45 +188,36 @@ def test_deferred_errors_are_raised_by_check_and_on_mode_switch(kernels):
 @pytest.mark.parametrize("kwargs", [{}, dict(affine=False), dict(momentum=None)], ids=["affine", "no-affine",
                                                                                      "cumulative"])
 @pytest.mark.parametrize("shape", [(6, 4, 5, 5), (7, 4), (5, 4, 3, 2, 2)], ids=["2d", "1d", "3d"])
-def test_functional_collective_path_equals_plain_bn(kernels, kwargs, shape):
+def test_functional_collective_path_equals_plain_bn(gloo_world, kernels, kwargs, shape):
     """The device path over a real ``torch.distributed`` group of 1 (Gloo; the layer is
     given its communicator, as alone it would be plain BN), on either kernel set: its
     functional collectives carry and check the header, and 3 training steps at an offset
     of 100 equal float64 plain BN on the same batch (outputs, input and parameter
     gradients, running statistics) as closely as float32 BN does."""
-    from hvd_syncbn.torch.transports import TorchDistComm
-
-    with tempfile.TemporaryDirectory() as tmp:
-        dist.init_process_group("gloo", init_method=f"file://{tmp}/pg", rank=0, world_size=1)
-        try:
-            comm = TorchDistComm(None)
-            torch.manual_seed(0)
-            plain = {1: nn.BatchNorm1d, 2: nn.BatchNorm1d, 3: nn.BatchNorm2d, 4: nn.BatchNorm3d}[len(shape) - 1](
-                shape[1], **kwargs).double()
-            layer = SyncBatchNorm(shape[1], stats="device", **kwargs)
-            layer._comm = lambda nccl=False: comm
-            if layer.affine:
-                with torch.no_grad():
-                    for m in (plain, layer):
-                        m.weight.copy_(torch.linspace(0.5, 1.5, shape[1]))
-                        m.bias.copy_(torch.linspace(-0.3, 0.3, shape[1]))
-            for step in range(3):
-                x = (torch.randn(shape, dtype=torch.float64) * 2 + 100).requires_grad_()
-                x32 = x.detach().float().requires_grad_()
-                y, y32 = plain(x), layer(x32)
-                dy = torch.randn_like(y)
-                y.backward(dy)
-                y32.backward(dy.float())
-                torch.testing.assert_close(y32.double(), y.detach(), rtol=1e-4, atol=1e-4)
-                torch.testing.assert_close(x32.grad.double(), x.grad, rtol=1e-4, atol=1e-4)
-                for name, p in plain.named_parameters():
-                    torch.testing.assert_close(getattr(layer, name).grad.double(), p.grad, rtol=1e-4, atol=1e-3)
-                for name in ("running_mean", "running_var"):
-                    torch.testing.assert_close(getattr(layer, name).double(), getattr(plain, name), rtol=1e-5, atol=1e-5)
-                assert layer.num_batches_tracked.item() == plain.num_batches_tracked.item() == step + 1
-                check(layer)
-        finally:
-            dist.destroy_process_group()
+    torch.manual_seed(0)
+    plain = {1: nn.BatchNorm1d, 2: nn.BatchNorm1d, 3: nn.BatchNorm2d, 4: nn.BatchNorm3d}[len(shape) - 1](
+        shape[1], **kwargs).double()
+    layer = SyncBatchNorm(shape[1], stats="device", **kwargs)
+    if layer.affine:
+        with torch.no_grad():
+            for m in (plain, layer):
+                m.weight.copy_(torch.linspace(0.5, 1.5, shape[1]))
+                m.bias.copy_(torch.linspace(-0.3, 0.3, shape[1]))
+    for step in range(3):
+        x = (torch.randn(shape, dtype=torch.float64) * 2 + 100).requires_grad_()
+        x32 = x.detach().float().requires_grad_()
+        y, y32 = plain(x), layer(x32)
+        dy = torch.randn_like(y)
+        y.backward(dy)
+        y32.backward(dy.float())
+        torch.testing.assert_close(y32.double(), y.detach(), rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(x32.grad.double(), x.grad, rtol=1e-4, atol=1e-4)
+        for name, p in plain.named_parameters():
+            torch.testing.assert_close(getattr(layer, name).grad.double(), p.grad, rtol=1e-4, atol=1e-3)
+        for name in ("running_mean", "running_var"):
+            torch.testing.assert_close(getattr(layer, name).double(), getattr(plain, name), rtol=1e-5, atol=1e-5)
+        assert layer.num_batches_tracked.item() == plain.num_batches_tracked.item() == step + 1
+        check(layer)
 
 
 def test_header_mismatch_poisons_the_output_and_raises_at_check(fake_world, kernels):
