@@ -362,48 +362,70 @@ class _PeerRows:
 RENDEZVOUS_ENV = ("HOROVOD_GLOO_RENDEZVOUS_ADDR", "HOROVOD_GLOO_RENDEZVOUS_PORT")
 
 
-class RendezvousRows(Communicator):
-    """The diagnosis of a Horovod communicator started by ``horovodrun`` (Gloo), row by
-    row: each rank PUTs its row into the launcher's rendezvous key-value store (an HTTP
-    server in the ``horovodrun`` process, which lives as long as the job) and reads the
-    peers' rows as they appear, so a stopped or lost rank leaves out only its own. It
-    gathers only (the sums stay with Horovod). ``group``: what tells this group's rows
-    from another's (a process set's id)."""
+class KeyValueRows(Communicator):
+    """A diagnosis gathered row by row through a key-value store that outlives the ranks'
+    collectives: each rank puts its row under its own key and reads the peers' rows as
+    they appear, so a stopped or lost rank leaves out only its own. It gathers only (the
+    sums stay with the transport). ``group``: what tells this group's rows from another's.
+    A store says how to :meth:`_put` and :meth:`_get` a key."""
 
-    kind = "horovodrun's rendezvous store"
     partial_gather = True
     SCOPE = "hvd_syncbn_diagnosis"
-    REQUEST_S = 1.0
 
-    def __init__(self, rank: int, size: int, group: Any, address: str) -> None:
-        self.rank, self.size, self.group, self.address, self._rounds = rank, size, group, address, 0
+    def __init__(self, rank: int, size: int, group: Any) -> None:
+        self.rank, self.size, self.group, self._rounds = rank, size, group, 0
 
-    def _url(self, handle: "_StoreRows", rank: int) -> str:
-        return f"{self.address}/{self.SCOPE}/{self.group}.{handle.round}.{rank}"
+    def _key(self, handle: "_StoreRows", rank: int) -> str:
+        return f"{self.SCOPE}/{self.group}.{handle.round}.{rank}"
+
+    def _put(self, key: str, raw: bytes) -> None:
+        raise NotImplementedError
+
+    def _get(self, key: str) -> Optional[bytes]:
+        """The value under ``key``, ``None`` if there is none yet (or the store does not answer now)."""
+        raise NotImplementedError
 
     def start_gather(self, row):
         handle = _StoreRows(self._rounds, np.ascontiguousarray(row), {})
         self._rounds += 1
         handle.rows[self.rank] = handle.row
-        put = urllib.request.Request(self._url(handle, self.rank), data=handle.row.tobytes(), method="PUT")
-        _NO_PROXY.open(put, timeout=self.REQUEST_S).close()
+        self._put(self._key(handle, self.rank), handle.row.tobytes())
         return handle
 
     def gathered(self, handle):
         for rank in range(self.size):
             if rank in handle.rows:
                 continue
-            try:
-                with _NO_PROXY.open(self._url(handle, rank), timeout=self.REQUEST_S) as answer:
-                    raw = answer.read()
-            except (urllib.error.URLError, OSError):  # 404: not yet; else unreachable: not now
-                continue
-            if len(raw) == handle.row.nbytes:
+            raw = self._get(self._key(handle, rank))
+            if raw is not None and len(raw) == handle.row.nbytes:
                 handle.rows[rank] = np.frombuffer(raw, dtype=handle.row.dtype)
         return dict(handle.rows)
 
     def done(self, handle):
         return len(self.gathered(handle)) == self.size
+
+
+class RendezvousRows(KeyValueRows):
+    """:class:`KeyValueRows` through ``horovodrun``'s (Gloo) rendezvous store: an HTTP
+    server in the ``horovodrun`` process, which lives as long as the job."""
+
+    kind = "horovodrun's rendezvous store"
+    REQUEST_S = 1.0
+
+    def __init__(self, rank: int, size: int, group: Any, address: str) -> None:
+        super().__init__(rank, size, group)
+        self.address = address
+
+    def _put(self, key, raw):
+        put = urllib.request.Request(f"{self.address}/{key}", data=raw, method="PUT")
+        _NO_PROXY.open(put, timeout=self.REQUEST_S).close()
+
+    def _get(self, key):
+        try:
+            with _NO_PROXY.open(f"{self.address}/{key}", timeout=self.REQUEST_S) as answer:
+                return answer.read()
+        except (urllib.error.URLError, OSError):  # 404: not yet; else unreachable: not now
+            return None
 
 
 _NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))

@@ -191,12 +191,13 @@ def gloo_world(tmp_path, monkeypatch):
     collectives with their header, in one process."""
     import torch.distributed as dist
 
-    from hvd_syncbn.torch import SyncBatchNorm
+    from hvd_syncbn.torch import SyncBatchNorm, reducers
     from hvd_syncbn.torch.transports import TorchDistComm
 
     dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
     try:
         comm = TorchDistComm(None)
+        reducers.comm_index(comm)  # as a traced layer's resolution (batchnorm._traced_comm) registers it
         monkeypatch.setattr(SyncBatchNorm, "_comm", lambda self, nccl=False: comm)
         yield comm
     finally:

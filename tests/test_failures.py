@@ -56,9 +56,12 @@ def launch(args: list, launcher: str, world: int, timeout: float = 120, seconds:
     tmp = Path(os.environ.get("TMPDIR", "/tmp")) / f"hvd_syncbn_fail_{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     cmd = launch_command(launcher, world) + list(launcher_args)
+    if launcher == "torchrun":
+        cmd = [str(BIN / "torchrun"), "--nproc-per-node", str(world), "--tee", "3"]
     if launcher == "mpirun":
         cmd += ["-x", "HVD_SYNCBN_TIMEOUT", "--output-filename", str(tmp)]
-    out = subprocess.run(cmd + [sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True,
+    python = [] if launcher == "torchrun" else [sys.executable]  # torchrun runs the script with its own
+    out = subprocess.run(cmd + [*python, *args], cwd=ROOT, env=env, capture_output=True, text=True,
                          timeout=timeout)
     logs = {}
     if launcher == "mpirun":
@@ -67,7 +70,7 @@ def launch(args: list, launcher: str, world: int, timeout: float = 120, seconds:
         shutil.rmtree(tmp, ignore_errors=True)
     else:
         for line in out.stdout.splitlines():
-            m = re.match(r"\[(\d+)\]<stdout>:(.*)", line)
+            m = re.match(r"\[(?:default)?(\d+)\](?:<stdout>)?:(.*)", line)  # horovodrun's, torchrun's
             if m:
                 logs.setdefault(int(m.group(1)), []).append(m.group(2))
         logs = {r: "\n".join(lines) for r, lines in logs.items()}
@@ -117,6 +120,42 @@ def test_xla_allreduce_without_a_peer_fails_in_time_naming_it(where):
     assert "hvd_syncbn.test.missing_peer: the other ranks did not join within 3 s" in message, message[:2000]
     assert float(elapsed) <= 2 * seconds, f"rank 0 took {elapsed} s (timeout {seconds} s)"
     assert took < 90, f"the job took {took:.0f} s to end"
+
+
+# ------------------------------------- the device path over torch.distributed
+
+# launcher, world, scenario, mode, what every live rank's message must say. torchrun
+# (Gloo) and mpirun (comm='torch': a private Gloo group over MPI); eager and compiled.
+DEVICE_CASES = [
+    ("mpirun", 2, "stop", "eager", "missing there: ranks [1]"),
+    ("mpirun", 3, "stop", "compiled", "missing there: ranks [2]"),
+    ("torchrun", 2, "exit", "compiled", "missing there: ranks [1]"),
+    ("torchrun", 3, "raise", "eager", "rank 2: body.bn1: expected 4 channels on axis 1, got 3"),
+]
+
+
+@pytest.mark.parametrize("launcher, world, scenario, mode, expected", DEVICE_CASES,
+                         ids=[f"{c[0]}-{c[1]}-{c[2]}-{c[3]}" for c in DEVICE_CASES])
+def test_device_path_over_torch_distributed_names_the_fault_in_time(launcher, world, scenario, mode, expected):
+    """On the device path over torch.distributed (Gloo), the last rank stops, exits or
+    sends bad input at step 2: every live rank raises SyncBatchNormError naming the layer,
+    the direction, the step and the missing rank (or the bad input) within 2·T, and the
+    job ends within 2·T + 5 s. (Under torchrun a stopped rank ends 30 s later: torchrun
+    waits that long after its SIGTERM, which a stopped process does not take, before SIGKILL.)"""
+    seconds = 3.0
+    rc, logs, raw = launch(["tests/device_faults.py", scenario, mode], launcher, world, seconds=seconds)
+    assert rc != 0, raw[-3000:]
+    bad_at = re.search(r"BAD-STEP rank=0 t=([\d.]+)", logs.get(0, ""))
+    assert bad_at, f"rank 0 never reached step 2:\n{raw[-3000:]}"
+    ended = time.time() - float(bad_at.group(1))
+    assert ended <= 2 * seconds + 5, f"the job ended {ended:.1f} s after step 2 began:\n{raw[-3000:]}"
+    for rank in range(world - (scenario != "raise")):
+        found = RESULT.findall(logs.get(rank, ""))
+        assert found, f"rank {rank} reported no error:\n{logs.get(rank, raw)[-3000:]}"
+        _, elapsed, error, message = found[0]
+        assert error.startswith("SyncBatchNorm") and float(elapsed) <= 2 * seconds, f"rank {rank}: {error} {elapsed} s"
+        for text in ("layer 'body.bn1' forward, step 2", expected):
+            assert text in message, f"rank {rank}'s message lacks {text!r}:\n{message[:3000]}"
 
 
 # -------------------------------------------- a rank killed; the demo resumes

@@ -8,10 +8,12 @@
   CUDA buffers go to the transport as they are where it reads device memory
   (``device_buffers``), else through one copy into pinned host memory.
 - :class:`GroupReducer`: the device path over ``torch.distributed``: a functional
-  collective on the group (NCCL for CUDA tensors, Gloo on the CPU), which Dynamo traces.
-  Its header is static (no step), in the buffer the device path builds and checks
-  (:mod:`hvd_syncbn.torch.device`); a mismatch makes the step's output NaN and sets a
-  flag that :func:`~hvd_syncbn.torch.check` raises.
+  collective on SyncBN's own group (NCCL for CUDA tensors, Gloo on the CPU) with SyncBN's
+  timeout, in the custom op ``hvd_syncbn::group_allreduce`` under ``torch.compile``; a
+  failed collective is diagnosed as on the host path. Its header is static (no step),
+  in the buffer the device path builds and checks (:mod:`hvd_syncbn.torch.device`); a
+  mismatch makes the step's output NaN and sets a flag that
+  :func:`~hvd_syncbn.torch.check` raises.
 
 Each can also ``fail(problem)``: end every rank's step with ``problem`` (joining the
 forward collective the peers wait in, where the transport has a diagnosis).
@@ -20,14 +22,16 @@ forward collective the peers wait in, where the transport has a diagnosis).
 from __future__ import annotations
 
 import functools
+import re
+import time
 from typing import List, NamedTuple, Optional, Tuple
 
 import torch
 from torch import Tensor
 
 from hvd_syncbn.comm import (
-    Call, Communicator, Join, SyncBatchNormInputError, allreduce, compile_timeout, get_timeout, make_call, poison, prepend,
-    static_header,
+    TIMEOUT_ENV, Call, Communicator, Join, SyncBatchNormInputError, allreduce, compile_timeout, fail, get_timeout,
+    make_call, poison, prepend, static_header,
 )
 
 def _header(layer: str, direction: str, channels: int, ndim: int, dtype: str, world: int) -> Tuple[float, ...]:
@@ -153,14 +157,55 @@ class OpReducer(HostReducer):
                          join=joiner(self.comm, self.device))
 
 
+def summed(comm: Communicator, identity: Identity, buf: Tensor, direction: str) -> Tensor:
+    """``buf`` summed over ``comm``'s group (a ``torch.distributed`` one: SyncBN's own, see
+    :class:`~hvd_syncbn.torch.transports.TorchDistComm`) by a functional collective,
+    waiting the group's timeout: SyncBN's, after a layer's first collective in a
+    direction. If the collective fails (Gloo's timeout, a peer gone), the ranks that can
+    still talk diagnose over the side channel and raise :class:`SyncBatchNormError`
+    naming the layer, the direction, the step and the missing ranks
+    (:func:`hvd_syncbn.comm.fail`). NCCL's collectives do not block the host: its
+    watchdog ends the process at the timeout (docs/failures.md)."""
+    call = identity.call(comm, direction)
+    comm.bound(call.step == 0)
+    since = time.monotonic()
+    c10d = torch.ops._c10d_functional
+    try:
+        # The functional collective's own ops, below autograd (its callers are autograd
+        # Functions or an op): the ops' Python autograd kernel took two thirds of their host
+        # time (all_reduce + wait: 14.6 µs, 5.0 below it, here).
+        with torch._C._AutoDispatchBelowAutograd():
+            return c10d.wait_tensor(c10d.all_reduce(buf, "sum", comm.group.group_name))
+    except RuntimeError as e:  # torch's DistBackendError and Gloo's errors are RuntimeErrors
+        text = re.sub(r"^\[[^\]]*\] ", "", str(e).splitlines()[0] if str(e) else "")  # Gloo's source line
+        fail(comm, call, f"the collective failed after {time.monotonic() - since:.1f} s (timeout {comm.seconds:g} s, "
+                         f"{TIMEOUT_ENV}): {type(e).__name__}: {text}", since=since, stuck=True, cause=e)
+
+
+@torch.library.custom_op("hvd_syncbn::group_allreduce", mutates_args=(),
+                         tags=tuple(getattr(torch.Tag, t) for t in ("cudagraph_unsafe",) if hasattr(torch.Tag, t)))
+def _group_allreduce(buf: Tensor, comm: int, layer: str, direction: str, channels: int, ndim: int,
+                     dtype: str) -> Tensor:
+    """:func:`summed` under ``torch.compile``: the collective's failure turns into the
+    diagnosis in Python, which a traced collective would not reach."""
+    return summed(_comms[comm], Identity(layer, channels, ndim, dtype), buf, direction)
+
+
+@_group_allreduce.register_fake
+def _(buf, comm, layer, direction, channels, ndim, dtype):
+    return torch.empty_like(buf)
+
+
 @torch.compiler.assume_constant_result
 class GroupReducer:
-    """Device tensors over a ``torch.distributed`` group, by a functional collective. The
-    identity header travels in the buffer and is checked on the device
-    (:mod:`hvd_syncbn.torch.device`): :meth:`head` is what to put in front."""
+    """Device tensors over a ``torch.distributed`` group by :func:`summed` (under
+    ``torch.compile``, its custom op). The identity header travels in the buffer and is
+    checked on the device (:mod:`hvd_syncbn.torch.device`): :meth:`head` is what to put
+    in front."""
 
     def __init__(self, comm: Communicator, identity: Identity) -> None:
-        self.comm, self.identity, self.size, self.group_name = comm, identity, comm.size, comm.group.group_name
+        # Traced, a layer's comm is one batchnorm._traced_comm registered: the index is found, not added.
+        self.comm, self.identity, self.size, self.index = comm, identity, comm.size, comm_index(comm)
 
     def head(self, direction: str) -> Tuple[float, ...]:
         """The static header of ``direction``'s collective (no step: it is traced once)."""
@@ -168,15 +213,15 @@ class GroupReducer:
         return header(*self.identity[:1], direction, *self.identity[1:], self.size)
 
     def __call__(self, buf: Tensor, direction: str) -> Tensor:
-        # The functional collective's own ops: what funcol.all_reduce traces to. In eager mode
-        # below autograd (its callers are autograd Functions): the ops' Python autograd kernel
-        # took two thirds of their host time (all_reduce + wait: 14.6 µs, 5.0 below it, here).
-        c10d = torch.ops._c10d_functional
         if torch.compiler.is_compiling():
-            return c10d.wait_tensor(c10d.all_reduce(buf, "sum", self.group_name))
-        with torch._C._AutoDispatchBelowAutograd():
-            return c10d.wait_tensor(c10d.all_reduce(buf, "sum", self.group_name))
+            return _group_allreduce(buf, self.index, self.identity.layer, direction, *self.identity[1:])
+        return summed(self.comm, self.identity, buf, direction)
 
-    def fail(self, problem: str, error: type = ValueError, cause: Optional[BaseException] = None) -> None:
-        """No diagnosis crosses a functional collective: raise here; peers time out."""
-        raise error(problem) from cause
+    @torch.compiler.disable  # the diagnosis runs in Python: Dynamo would try to trace it
+    def fail(self, problem: str, error: type = SyncBatchNormInputError,
+             cause: Optional[BaseException] = None) -> None:
+        """Raise ``problem`` here after the diagnosis, which the peers meet when their
+        collective times out: every rank names this rank and ``problem``."""
+        call = self.identity.call(self.comm, "fwd")
+        call.problem = problem
+        fail(self.comm, call, problem, error, cause=cause)

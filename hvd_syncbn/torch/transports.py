@@ -7,15 +7,18 @@ Chosen per layer call by :func:`resolve`.
 from __future__ import annotations
 
 import atexit
+import datetime
+import inspect
 import os
 from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 
-from hvd_syncbn.comm import Communicator, LocalCommunicator
+from hvd_syncbn.comm import Communicator, LocalCommunicator, compile_timeout, get_timeout
 from hvd_syncbn.transports import (
-    COMM_ENV, HorovodTransport, MpiTransport, Registry, Request, Transport, not_a_member, rendezvous_rows,
+    COMM_ENV, HorovodTransport, KeyValueRows, MpiTransport, Registry, Request, Transport, not_a_member,
+    rendezvous_rows,
     requested_kind,
 )
 from hvd_syncbn.torch import private_group
@@ -61,22 +64,41 @@ class HorovodComm(Communicator):
 
 
 class TorchDistComm(Communicator):
-    """``torch.distributed`` on ``group`` (``None``: the default group), with a second
-    group of the same ranks for diagnostics (``diagnostics=True``: this is that one).
-    Buffers cross on the device the group's backend works on (CUDA for NCCL)."""
+    """``torch.distributed`` over the ranks of ``group`` (``None``: the default group), on a
+    group of SyncBN's own over the same ranks (:func:`own_group`), whose timeout is
+    SyncBN's (:meth:`bound`): Gloo raises and NCCL's watchdog fires at the timeout, not at
+    the user's group's (30 min for Gloo, 10 for NCCL). Buffers cross on the device the
+    group's backend works on (CUDA for NCCL); the diagnosis goes through the default
+    group's store, row by row (:class:`StoreRows`)."""
 
     kind = "torch"
     traceable = True
 
-    def __init__(self, group: Any, diagnostics: bool = False) -> None:
-        self.group = group if group is not None else dist.group.WORLD
-        self.rank, self.size = self.group.rank(), self.group.size()
+    def __init__(self, group: Any) -> None:
+        users = group if group is not None else dist.group.WORLD
+        self.rank, self.size = users.rank(), users.size()
         nccl = "nccl" in str(dist.get_backend(group)).lower()
         self.device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
-        self._side: Communicator = self
-        if not diagnostics:
-            ranks = dist.get_process_group_ranks(self.group)
-            self._side = TorchDistComm(dist.new_group(ranks, use_local_synchronization=True), diagnostics=True)
+        self.group = own_group(dist.get_process_group_ranks(users))
+        self.seconds = self.group_timeout(True)
+        self._side: Communicator = StoreRows(self.rank, self.size, self.group.group_name)
+
+    @staticmethod
+    def group_timeout(first: bool) -> float:
+        """SyncBN's timeout, with :func:`~hvd_syncbn.comm.compile_timeout` more for a
+        layer's ``first`` collective in a direction (a peer may still be compiling)."""
+        return get_timeout() + (compile_timeout() if first else 0.0)
+
+    def bound(self, first: bool) -> None:
+        """Set the group's timeout for its next collective (see :meth:`group_timeout`);
+        a call only when it changes."""
+        seconds = self.group_timeout(first)
+        if seconds != self.seconds:
+            try:
+                self.group.set_timeout(datetime.timedelta(seconds=seconds))
+            except RuntimeError:  # a backend without timeouts (torch's fake one): it keeps its own
+                pass
+            self.seconds = seconds
 
     def start(self, buf, name):
         tensor = torch.from_numpy(buf).to(self.device)
@@ -94,6 +116,58 @@ class TorchDistComm(Communicator):
         return self._side
 
 
+GROUP_DESC = "hvd_syncbn SyncBatchNorm statistics"
+"""The description of SyncBN's own groups: NCCL's watchdog names it when it fires."""
+
+
+def own_group(ranks: list) -> dist.ProcessGroup:
+    """A group of ``ranks`` for SyncBN's collectives alone, with SyncBN's first timeout
+    (:meth:`TorchDistComm.group_timeout`); only ``ranks`` take part in making it (every
+    one of them, in the same order of first SyncBN calls). Costs: one more group of the
+    same backend (Gloo: a connection to each peer and a worker thread; NCCL: a
+    communicator and its buffers on the GPU, set up at the first collective)."""
+    args = dict(timeout=datetime.timedelta(seconds=TorchDistComm.group_timeout(True)),
+                use_local_synchronization=True)
+    if "group_desc" in inspect.signature(dist.new_group).parameters:
+        args["group_desc"] = GROUP_DESC
+    return dist.new_group(ranks, **args)
+
+
+class StoreRows(KeyValueRows):
+    """:class:`~hvd_syncbn.transports.KeyValueRows` through the default group's store (a
+    ``TCPStore``: torchrun's agent's, which outlives the ranks, or rank 0's), over a
+    connection of its own that waits :data:`REQUEST_S` at most (the store's host may be
+    the stopped rank), made at the first diagnosis."""
+
+    kind = "the process group's store"
+    REQUEST_S = 1.0
+
+    def __init__(self, rank: int, size: int, group: Any) -> None:
+        super().__init__(rank, size, group)
+        self._store: Any = None
+
+    def _connect(self) -> Any:
+        if self._store is None:
+            store = dist.distributed_c10d._get_default_store()  # private: the default group's store
+            while isinstance(store, dist.PrefixStore):
+                store = store.underlying_store
+            wait = datetime.timedelta(seconds=self.REQUEST_S)
+            if isinstance(store, dist.TCPStore):
+                store = dist.TCPStore(store.host, store.port, is_master=False, timeout=wait, wait_for_workers=False)
+            self._store = store
+        return self._store
+
+    def _put(self, key, raw):
+        self._connect().set(key, raw)
+
+    def _get(self, key):
+        try:
+            store = self._connect()
+            return store.get(key) if store.check([key]) else None
+        except RuntimeError:  # the store does not answer now
+            return None
+
+
 class PrivateGroupComm(TorchDistComm):
     """``torch.distributed`` on a private group of ``over``'s ranks
     (:mod:`hvd_syncbn.torch.private_group`), built over ``over`` (MPI or Horovod), which
@@ -104,6 +178,7 @@ class PrivateGroupComm(TorchDistComm):
         self.group, self._store = private_group.build(over)
         self.rank, self.size, self.over = over.rank, over.size, over
         self.device = torch.device("cpu")
+        self.seconds = self.group_timeout(True)  # as build() set it
         atexit.register(self._close)
 
     def _close(self) -> None:
@@ -202,7 +277,7 @@ def resolve(kind: Any, process_set: Any, layer: str, nccl: bool = False) -> Opti
         return kind if kind.size > 1 else None
     hvd_on = _horovod_on()
     state = (kind, os.environ.get(COMM_ENV), hvd_on,
-             dist.is_available() and dist.is_initialized(), _set_key(process_set), nccl,
+             _world(), _set_key(process_set), nccl,
              os.environ.get(private_group.ENV))
     if state not in _resolved:
         comm = REGISTRY.resolve(kind, _request(process_set, layer, hvd_on))
@@ -213,12 +288,18 @@ def resolve(kind: Any, process_set: Any, layer: str, nccl: bool = False) -> Opti
     return _resolved[state]
 
 
+def _world() -> Any:
+    """Which default group exists, if any: a communicator over a destroyed one (whose
+    groups of SyncBN's own went with it) is not reused after a new ``init_process_group``."""
+    return dist.is_available() and dist.is_initialized() and dist.group.WORLD  # the object: an id is reused
+
+
 def _request(process_set: Any, layer: str, hvd_on: bool) -> Request:
     if hvd_on and isinstance(process_set, hvd.ProcessSet) and not process_set.included():
         raise not_a_member(layer, hvd.rank(), process_set.ranks)
     pg_exists = dist.is_available() and dist.is_initialized()  # in the key: comm='torch' is a private group without
     return Request(layer, (hvd.size(), hvd.rank()) if hvd_on else None, pg_exists, process_set,
-                   (_set_key(process_set), pg_exists), _ranks(process_set))
+                   (_set_key(process_set), _world()), _ranks(process_set))
 
 
 def _set_key(process_set: Any) -> Any:
