@@ -75,6 +75,12 @@ def compile_timeout() -> float:
     return env_seconds(COMPILE_TIMEOUT_ENV, 600.0, zero=True)
 
 
+def collective_timeout(first: bool) -> float:
+    """How long a collective waits: :func:`get_timeout`, with :func:`compile_timeout` more
+    for a layer's ``first`` collective in a direction (a peer may still be compiling)."""
+    return get_timeout() + (compile_timeout() if first else 0.0)
+
+
 def env_seconds(name: str, default: float, zero: bool = False) -> float:
     """Seconds from the environment variable ``name`` (``default`` if unset): a positive
     number, or 0 too where ``zero``; else ``ValueError`` naming the variable."""

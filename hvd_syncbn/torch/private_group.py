@@ -31,7 +31,7 @@ import torch.distributed as dist
 # _new_process_group_helper fills it); a group outside torch's _world tables must be put there.
 from torch._C._distributed_c10d import _register_process_group
 
-from hvd_syncbn.comm import Communicator, RECORD_BYTES, allreduce, compile_timeout, env_flag, get_timeout, make_call
+from hvd_syncbn.comm import Communicator, RECORD_BYTES, allreduce, collective_timeout, env_flag, get_timeout, make_call
 
 log = logging.getLogger("hvd_syncbn")
 
@@ -143,7 +143,7 @@ def build(over: Communicator) -> Tuple[dist.ProcessGroup, dist.Store]:
     """
     rank, size = over.rank, over.size
     timeout = get_timeout()
-    grace = datetime.timedelta(seconds=timeout + compile_timeout())
+    grace = datetime.timedelta(seconds=collective_timeout(True))
     wait = datetime.timedelta(seconds=timeout)
     store, offer = None, {}
     if rank == 0:

@@ -30,7 +30,7 @@ import torch
 from torch import Tensor
 
 from hvd_syncbn.comm import (
-    TIMEOUT_ENV, Call, Communicator, Join, SyncBatchNormInputError, allreduce, compile_timeout, fail, get_timeout,
+    TIMEOUT_ENV, Call, Communicator, Join, SyncBatchNormInputError, allreduce, collective_timeout, fail,
     make_call, poison, prepend, static_header,
 )
 
@@ -100,7 +100,7 @@ def _allreduce(buf: Tensor, comm: int, layer: str, direction: str, channels: int
         raise TypeError(f"hvd_syncbn::allreduce: expected a float64 buffer, got {buf.dtype}")
     c = _comms[comm]
     call = Identity(layer, channels, ndim, dtype).call(c, direction)
-    timeout = get_timeout() + (compile_timeout() if call.step == 0 else 0.0)
+    timeout = collective_timeout(call.step == 0)
     join = joiner(c, buf.device)
     payload = buf.detach()
     if join is prepend:  # host memory: a CUDA buffer crosses once, into pinned memory

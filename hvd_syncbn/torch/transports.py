@@ -15,7 +15,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from hvd_syncbn.comm import Communicator, LocalCommunicator, compile_timeout, get_timeout
+from hvd_syncbn.comm import Communicator, LocalCommunicator, collective_timeout
 from hvd_syncbn.transports import (
     COMM_ENV, HorovodTransport, KeyValueRows, MpiTransport, Registry, Request, Transport, not_a_member,
     rendezvous_rows,
@@ -80,19 +80,13 @@ class TorchDistComm(Communicator):
         nccl = "nccl" in str(dist.get_backend(group)).lower()
         self.device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
         self.group = own_group(dist.get_process_group_ranks(users))
-        self.seconds = self.group_timeout(True)
+        self.seconds = collective_timeout(True)
         self._side: Communicator = StoreRows(self.rank, self.size, self.group.group_name)
 
-    @staticmethod
-    def group_timeout(first: bool) -> float:
-        """SyncBN's timeout, with :func:`~hvd_syncbn.comm.compile_timeout` more for a
-        layer's ``first`` collective in a direction (a peer may still be compiling)."""
-        return get_timeout() + (compile_timeout() if first else 0.0)
-
     def bound(self, first: bool) -> None:
-        """Set the group's timeout for its next collective (see :meth:`group_timeout`);
-        a call only when it changes."""
-        seconds = self.group_timeout(first)
+        """Set the group's timeout for its next collective
+        (:func:`~hvd_syncbn.comm.collective_timeout`); a call only when it changes."""
+        seconds = collective_timeout(first)
         if seconds != self.seconds:
             try:
                 self.group.set_timeout(datetime.timedelta(seconds=seconds))
@@ -122,11 +116,11 @@ GROUP_DESC = "hvd_syncbn SyncBatchNorm statistics"
 
 def own_group(ranks: list) -> dist.ProcessGroup:
     """A group of ``ranks`` for SyncBN's collectives alone, with SyncBN's first timeout
-    (:meth:`TorchDistComm.group_timeout`); only ``ranks`` take part in making it (every
+    (:func:`~hvd_syncbn.comm.collective_timeout`); only ``ranks`` take part in making it (every
     one of them, in the same order of first SyncBN calls). Costs: one more group of the
     same backend (Gloo: a connection to each peer and a worker thread; NCCL: a
     communicator and its buffers on the GPU, set up at the first collective)."""
-    args = dict(timeout=datetime.timedelta(seconds=TorchDistComm.group_timeout(True)),
+    args = dict(timeout=datetime.timedelta(seconds=collective_timeout(True)),
                 use_local_synchronization=True)
     if "group_desc" in inspect.signature(dist.new_group).parameters:
         args["group_desc"] = GROUP_DESC
@@ -178,7 +172,7 @@ class PrivateGroupComm(TorchDistComm):
         self.group, self._store = private_group.build(over)
         self.rank, self.size, self.over = over.rank, over.size, over
         self.device = torch.device("cpu")
-        self.seconds = self.group_timeout(True)  # as build() set it
+        self.seconds = collective_timeout(True)  # as build() set it
         atexit.register(self._close)
 
     def _close(self) -> None:
@@ -297,9 +291,9 @@ def _world() -> Any:
 def _request(process_set: Any, layer: str, hvd_on: bool) -> Request:
     if hvd_on and isinstance(process_set, hvd.ProcessSet) and not process_set.included():
         raise not_a_member(layer, hvd.rank(), process_set.ranks)
-    pg_exists = dist.is_available() and dist.is_initialized()  # in the key: comm='torch' is a private group without
-    return Request(layer, (hvd.size(), hvd.rank()) if hvd_on else None, pg_exists, process_set,
-                   (_set_key(process_set), _world()), _ranks(process_set))
+    world = _world()  # in the key: comm='torch' is a private group without one
+    return Request(layer, (hvd.size(), hvd.rank()) if hvd_on else None, bool(world), process_set,
+                   (_set_key(process_set), world), _ranks(process_set))
 
 
 def _set_key(process_set: Any) -> Any:
