@@ -158,6 +158,34 @@ def test_device_path_over_torch_distributed_names_the_fault_in_time(launcher, wo
             assert text in message, f"rank {rank}'s message lacks {text!r}:\n{message[:3000]}"
 
 
+
+# Keras's device path under mpirun: the library's allreduce (its TensorFlow kernel, or its
+# XLA custom call), whose failure runs the host path's diagnosis.
+KERAS_DEVICE_CASES = [("stuck", "function"), ("exit", "fit"), ("stuck", "xla")]
+
+
+@pytest.mark.parametrize("scenario, mode", KERAS_DEVICE_CASES, ids=[f"{s}-{m}" for s, m in KERAS_DEVICE_CASES])
+def test_keras_device_path_over_mpi_names_the_fault_in_time(scenario, mode):
+    """On the Keras device path under mpirun (2 ranks), rank 1 gets stuck or exits at
+    step 2 of a tf.function, model.fit or model.fit under XLA: rank 0's step raises TF's
+    DeadlineExceededError carrying the SyncBatchNormError diagnosis (the layer, the
+    direction, the step, the missing rank) within 2·T, and the job ends within 2·T + 5 s."""
+    seconds = 3.0
+    rc, logs, raw = launch(["tests/keras_device_faults.py", scenario, mode], "mpirun", 2, seconds=seconds)
+    assert rc != 0, raw[-3000:]
+    bad_at = re.search(r"BAD-STEP rank=0 t=([\d.]+)", logs.get(0, ""))
+    assert bad_at, f"rank 0 never reached step 2:\n{raw[-3000:]}"
+    ended = time.time() - float(bad_at.group(1))
+    assert ended <= 2 * seconds + 5, f"the job ended {ended:.1f} s after step 2 began:\n{raw[-3000:]}"
+    found = RESULT.findall(logs.get(0, ""))
+    assert found, f"rank 0 reported no error:\n{logs.get(0, raw)[-3000:]}"
+    _, elapsed, error, message = found[0]
+    assert error == "DeadlineExceededError" and float(elapsed) <= 2 * seconds, f"{error} {elapsed} s"
+    for text in ("SyncBatchNormError: ", "layer 'probe_bn' forward, step 2", "missing there: ranks [1]",
+                 "rank 1 did not answer"):
+        assert text in message, f"rank 0's message lacks {text!r}:\n{message[:3000]}"
+
+
 # -------------------------------------------- a rank killed; the demo resumes
 
 # Each launcher (the launcher ends the job) and each framework once.

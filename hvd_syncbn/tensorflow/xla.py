@@ -9,7 +9,9 @@ platform, emitted as a StableHLO ``custom_call`` (``api_version = 4``, typed FFI
 ``HvdSyncbnAllreduce`` runs it (there the XLA call compiled on its own cost about 45 µs
 more per collective, in a training step at 2 ranks). :func:`checked_allreduce` also sums an
 identity header in front of the buffer and reports where it did not add up; what the
-header identifies is the caller's.
+header identifies is the caller's. A collective that fails (the deadline, MPI) counts as
+step the calls of its name before it; the caller may give it a diagnosis
+(:func:`on_failure`), which writes the error's message.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import ctypes
 import os
 import threading
 import weakref
-from typing import Any, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Optional, Sequence, Tuple
 
 import tensorflow as tf
 
@@ -37,6 +39,8 @@ _world: Any = None  # the default communicator: a duplicate of MPI.COMM_WORLD
 # Per graph being traced, the name of the last allreduce op in it (a name, not the op:
 # the op would keep its graph, the key, alive).
 _last: "weakref.WeakKeyDictionary[Any, str]" = weakref.WeakKeyDictionary()
+# Per (communicator handle, collective name), what diagnoses its failure (on_failure).
+_diagnoses: Dict[Tuple[int, str], Callable[[int, str], None]] = {}
 
 
 def available() -> Optional[str]:
@@ -94,6 +98,7 @@ def load() -> ctypes.CDLL:
         if lib.hvd_syncbn_xla_register(_tensorflow_ffi()(), TARGET.encode(), error, len(error)) != 0:
             raise RuntimeError(f"hvd_syncbn XLA allreduce: registering {TARGET!r} with XLA failed: "
                                f"{error.value.decode(errors='replace')}")
+        lib.hvd_syncbn_xla_set_diagnose(_diagnose)
         atexit.register(_abort_if_stuck, lib, MPI)
         _lib = lib
         return lib
@@ -104,6 +109,36 @@ def _abort_if_stuck(lib: ctypes.CDLL, MPI: Any) -> None:
     abort rather than hang in ``MPI_Finalize``."""
     if lib.hvd_syncbn_xla_stuck() > 0:
         MPI.COMM_WORLD.Abort(1)
+
+
+def on_failure(name: str, comm: Any, diagnose: Callable[[int, str], None]) -> None:
+    """Where the collective ``name`` over ``comm`` (an mpi4py communicator) fails, call
+    ``diagnose(step, reason)`` (``step``: this process's earlier calls of it; ``reason``:
+    the library's message) on the op's thread: the message of the
+    :class:`~hvd_syncbn.comm.SyncBatchNormError` it raises becomes the op's error's."""
+    from mpi4py import MPI
+
+    _diagnoses[MPI._handleof(comm), name] = diagnose
+
+
+@ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_char_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_char_p, ctypes.c_void_p,
+                  ctypes.c_size_t)
+def _diagnose(name: bytes, comm: int, step: int, reason: bytes, out: int, size: int) -> int:
+    """The library's hook for a failed collective: 0 where ``out`` holds the message."""
+    from hvd_syncbn.comm import SyncBatchNormError
+
+    diagnose = _diagnoses.get((comm, name.decode(errors="replace")))
+    if diagnose is None:
+        return 1
+    try:
+        diagnose(step, reason.decode(errors="replace"))
+    except SyncBatchNormError as e:
+        text = f"{type(e).__name__}: {e}".encode(errors="replace")[:size - 1] + b"\0"
+        ctypes.memmove(out, text, len(text))
+        return 0
+    except Exception:  # noqa: BLE001 - the library's message stands
+        return 1
+    return 1
 
 
 def default_comm() -> Any:

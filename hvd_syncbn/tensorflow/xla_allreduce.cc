@@ -16,6 +16,9 @@
 // header's sum differs from the communicator's size times the header (the ranks summed
 // different collectives), in which case the sum is all NaN. What the header identifies is
 // the caller's (hvd_syncbn.comm.static_header).
+// Each (communicator, name) counts its calls: the step. Where a collective fails, the
+// diagnosis Python registered (hvd_syncbn_xla_set_diagnose) writes the error's message:
+// the ranks that can still talk tell each other where they wait, as the host path does.
 
 // The C API only: no C++ bindings (Open MPI and MPICH would pull in libmpi_cxx).
 #define OMPI_SKIP_MPICXX 1
@@ -28,7 +31,9 @@
 #include <cstdint>
 #include <cstdio>
 #include <limits>
+#include <map>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <string_view>
 #include <thread>
@@ -50,6 +55,21 @@ std::atomic<int64_t> stuck{0};
 
 // A pointer in Open MPI, an int in MPICH: a C cast converts to either.
 MPI_Comm CommFromHandle(int64_t handle) { return (MPI_Comm)(intptr_t)handle; }
+int64_t HandleOfComm(MPI_Comm comm) { return (int64_t)(intptr_t)comm; }
+
+// Python's diagnosis of a failed collective: (name, communicator handle, step, the
+// failure, out, out's size) -> 0 where it wrote the message into out (NUL-terminated).
+using Diagnose = int (*)(const char*, int64_t, int64_t, const char*, char*, size_t);
+std::atomic<Diagnose> diagnose{nullptr};
+
+std::mutex steps_mutex;
+std::map<std::pair<int64_t, std::string>, int64_t> steps;
+
+// This process's earlier calls of collective `name` over `comm`.
+int64_t NextStep(MPI_Comm comm, std::string_view name) {
+  std::lock_guard<std::mutex> lock(steps_mutex);
+  return steps[{HandleOfComm(comm), std::string(name)}]++;
+}
 
 std::string MpiError(std::string_view name, std::string_view what, int code) {
   char text[MPI_MAX_ERROR_STRING];
@@ -130,6 +150,22 @@ Failure SumChecked(const double* in, double* out, size_t count, const int64_t* h
   return failure;
 }
 
+// SumChecked, counting the step; a failed collective's message is the diagnosis's.
+Failure SumCounted(const double* in, double* out, size_t count, const int64_t* header, size_t heads,
+                   bool* mismatch, MPI_Comm comm, double timeout, std::string_view name,
+                   std::string* error) {
+  const int64_t step = NextStep(comm, name);
+  const Failure failure = SumChecked(in, out, count, header, heads, mismatch, comm, timeout, name, error);
+  const Diagnose hook = diagnose.load();
+  if ((failure == Failure::kMpi || failure == Failure::kDeadline) && hook != nullptr) {
+    std::vector<char> text(16384);
+    if (hook(std::string(name).c_str(), HandleOfComm(comm), step, error->c_str(), text.data(), text.size()) == 0) {
+      *error = text.data();
+    }
+  }
+  return failure;
+}
+
 ffi::Error Allreduce(ffi::Buffer<ffi::F64> in, ffi::RemainingArgs /*order*/,
                      ffi::ResultBuffer<ffi::F64> out, ffi::ResultBufferR0<ffi::PRED> mismatch,
                      int64_t comm_handle, double timeout, std::string_view name,
@@ -141,7 +177,7 @@ ffi::Error Allreduce(ffi::Buffer<ffi::F64> in, ffi::RemainingArgs /*order*/,
                                        " values, expected " + std::to_string(count));
   }
   std::string error;
-  switch (SumChecked(in.typed_data(), out->typed_data(), count, header.begin(), header.size(),
+  switch (SumCounted(in.typed_data(), out->typed_data(), count, header.begin(), header.size(),
                      mismatch->typed_data(), CommFromHandle(comm_handle), timeout, name, &error)) {
     case Failure::kNone: return ffi::Error::Success();
     case Failure::kInvalid: return ffi::Error::InvalidArgument(error);
@@ -172,7 +208,7 @@ class AllreduceKernel : public tensorflow::OpKernel {
     OP_REQUIRES_OK(context, context->allocate_output(0, in.shape(), &out));
     OP_REQUIRES_OK(context, context->allocate_output(1, tensorflow::TensorShape({}), &mismatch));
     std::string error;
-    switch (SumChecked(in.flat<double>().data(), out->flat<double>().data(), in.NumElements(),
+    switch (SumCounted(in.flat<double>().data(), out->flat<double>().data(), in.NumElements(),
                        header_.data(), header_.size(), mismatch->scalar<bool>().data(),
                        CommFromHandle(comm_), timeout_, label_, &error)) {
       case Failure::kNone: return;
@@ -246,5 +282,8 @@ int hvd_syncbn_xla_register(const XLA_FFI_Api* api, const char* target, char* er
 
 // How many collectives timed out in this process (their MPI requests never completed).
 int64_t hvd_syncbn_xla_stuck() { return stuck.load(); }
+
+// Sets the diagnosis of failed collectives (nullptr: none, the message is the library's).
+void hvd_syncbn_xla_set_diagnose(Diagnose hook) { diagnose.store(hook); }
 
 }  // extern "C"
