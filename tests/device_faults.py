@@ -1,6 +1,7 @@
 """Rank-side faults on the PyTorch device path over ``torch.distributed`` (Gloo), for
 ``test_failures.py``: at step 2 the last rank stops (SIGSTOP), exits (status 0, as a
-rank that returned early), or sends a layer bad input; eager or under ``torch.compile``.
+rank that returned early), sends a layer bad input, or skips layer ``body.bn1``; eager or
+under ``torch.compile``.
 
     torchrun --nproc-per-node 2 tests/device_faults.py stop compiled
     mpirun -np 3 python tests/device_faults.py exit eager      # comm='torch': a private group over MPI
@@ -47,7 +48,8 @@ def main() -> None:
                 os.kill(os.getpid(), signal.SIGSTOP)
             if bad and SCENARIO == "exit":
                 os._exit(0)
-            step_fn((x[:, :3] if bad and SCENARIO == "raise" else x).clone().requires_grad_(True)).backward()
+            xs = (x[:, :3] if bad and SCENARIO == "raise" else x).clone().requires_grad_(True)
+            (bn2(xs).sum() if bad and SCENARIO == "skip" else step_fn(xs)).backward()
         except Exception as e:  # noqa: BLE001 - reported, then re-raised
             print(f"RESULT rank={rank} elapsed={time.monotonic() - start:.2f} error={type(e).__name__}\n{e}",
                   flush=True)

@@ -159,6 +159,23 @@ def test_device_path_over_torch_distributed_names_the_fault_in_time(launcher, wo
 
 
 
+
+def test_device_path_a_skipped_layer_ends_the_job():
+    """The last of 2 ranks skips layer body.bn1 at step 2 (eager, mpirun, comm='torch'):
+    its collectives pair with its peer's others, of another size, and Gloo ends the
+    process that receives the larger one (SIGABRT, 'Is there a distributed collective
+    mismatch in your code?'): not named, but the job ends within 2·T + 5 s instead of
+    training on with NaN (which buffers of one size would give: see docs/failures.md)."""
+    seconds = 3.0
+    rc, logs, raw = launch(["tests/device_faults.py", "skip", "eager"], "mpirun", 2, seconds=seconds)
+    assert rc != 0, raw[-3000:]
+    bad_at = re.search(r"BAD-STEP rank=0 t=([\d.]+)", logs.get(0, ""))
+    assert bad_at, f"rank 0 never reached step 2:\n{raw[-3000:]}"
+    ended = time.time() - float(bad_at.group(1))
+    assert ended <= 2 * seconds + 5, f"the job ended {ended:.1f} s after step 2 began:\n{raw[-3000:]}"
+    assert "collective mismatch" in raw, raw[-3000:]
+
+
 # Keras's device path under mpirun: the library's allreduce (its TensorFlow kernel, or its
 # XLA custom call), whose failure runs the host path's diagnosis.
 KERAS_DEVICE_CASES = [("stuck", "function"), ("exit", "fit"), ("stuck", "xla")]
