@@ -203,6 +203,26 @@ def test_keras_device_path_over_mpi_names_the_fault_in_time(scenario, mode):
         assert text in message, f"rank 0's message lacks {text!r}:\n{message[:3000]}"
 
 
+
+def test_keras_device_path_over_mpi_names_the_layers_on_each_side():
+    """Forced onto the device path under mpirun, rank 1's layer has 8 channels where rank
+    0's has 4 (buffers of two lengths: MPI_ERR_TRUNCATE on one rank, the deadline on the
+    other): both raise within 2·T with the diagnosis naming each rank's layer."""
+    seconds = 3.0
+    rc, logs, raw = launch(["tests/fail_scenarios.py", "keras", "channels"], "mpirun", 2, seconds=seconds,
+                           launcher_args=("-x", "HVD_SYNCBN_STATS=device"))
+    assert rc != 0, raw[-3000:]
+    for rank in (0, 1):
+        found = RESULT.findall(logs.get(rank, ""))
+        assert found, f"rank {rank} reported no error:\n{logs.get(rank, raw)[-3000:]}"
+        _, elapsed, error, message = found[0]
+        assert error in ("InternalError", "DeadlineExceededError") and float(elapsed) <= 2 * seconds, \
+            f"rank {rank}: {error} {elapsed} s"
+        for text in ("SyncBatchNormError: ", "ranks [0] are waiting in layer 'body.bn1' forward, step 2 (4 channels",
+                     "ranks [1] are waiting in layer 'body.bn1' forward, step 2 (8 channels"):
+            assert text in message, f"rank {rank}'s message lacks {text!r}:\n{message[:3000]}"
+
+
 # -------------------------------------------- a rank killed; the demo resumes
 
 # Each launcher (the launcher ends the job) and each framework once.

@@ -15,7 +15,6 @@ flag. The flags (:mod:`hvd_syncbn.deferred`) accumulate in each layer's
 from __future__ import annotations
 
 import functools
-import time
 from typing import Any, Iterator, Sequence, Tuple
 
 import keras
@@ -80,9 +79,9 @@ class GraphReducer:
         head = static_header(layer, direction, *self.identity[1:], size)
         buf, name = tf.cast(buf, tf.float64), f"hvd_syncbn.{layer}.{direction}"
         if self._ours():  # the library checks the header, and has a failure diagnosed
-            mpi, timeout = self._mpi(layer), get_timeout()
-            xla.on_failure(name, mpi, functools.partial(self._diagnose, direction, timeout))
-            summed, mixed = xla.checked_allreduce(buf, name, head, comm=mpi, timeout=timeout)
+            mpi = self._mpi(layer)
+            xla.on_failure(name, mpi, functools.partial(self._diagnose, direction))
+            summed, mixed = xla.checked_allreduce(buf, name, head, comm=mpi, timeout=get_timeout())
         else:
             start = tf.constant(head, tf.float64) + tf.cast(self.errors[0], tf.float64) * 0.0  # see the class
             out = self._horovod_sum(tf.concat([start, buf], 0), name)
@@ -93,12 +92,11 @@ class GraphReducer:
         with tf.control_dependencies([self.errors.assign_add(_counts({"mismatch": mixed}))]):
             return tf.identity(summed)
 
-    def _diagnose(self, direction: str, timeout: float, step: int, reason: str) -> None:
+    def _diagnose(self, direction: str, step: int, since: float, reason: str) -> None:
         """Raise the diagnosis of this layer's ``step``-th collective in ``direction``, which
-        failed after ``timeout`` (:func:`hvd_syncbn.comm.fail`, as on the host path)."""
+        began at ``since`` and failed (:func:`hvd_syncbn.comm.fail`, as on the host path)."""
         layer, rest = self.identity[0], self.identity[1:]
-        fail(self.comm, Call(layer, direction, step, *rest, self.comm.rank), reason,
-             since=time.monotonic() - timeout, stuck=True)
+        fail(self.comm, Call(layer, direction, step, *rest, self.comm.rank), reason, since=since, stuck=True)
 
     def met(self) -> Tuple[Communicator, Call]:
         """This layer's collective as the diagnosis describes it (traced once: no step, either direction)."""

@@ -20,6 +20,7 @@ import atexit
 import ctypes
 import os
 import threading
+import time
 import weakref
 from typing import Any, Callable, Dict, Optional, Sequence, Tuple
 
@@ -40,7 +41,7 @@ _world: Any = None  # the default communicator: a duplicate of MPI.COMM_WORLD
 # the op would keep its graph, the key, alive).
 _last: "weakref.WeakKeyDictionary[Any, str]" = weakref.WeakKeyDictionary()
 # Per (communicator handle, collective name), what diagnoses its failure (on_failure).
-_diagnoses: Dict[Tuple[int, str], Callable[[int, str], None]] = {}
+_diagnoses: Dict[Tuple[int, str], Callable[[int, float, str], None]] = {}
 
 
 def available() -> Optional[str]:
@@ -111,19 +112,20 @@ def _abort_if_stuck(lib: ctypes.CDLL, MPI: Any) -> None:
         MPI.COMM_WORLD.Abort(1)
 
 
-def on_failure(name: str, comm: Any, diagnose: Callable[[int, str], None]) -> None:
+def on_failure(name: str, comm: Any, diagnose: Callable[[int, float, str], None]) -> None:
     """Where the collective ``name`` over ``comm`` (an mpi4py communicator) fails, call
-    ``diagnose(step, reason)`` (``step``: this process's earlier calls of it; ``reason``:
-    the library's message) on the op's thread: the message of the
+    ``diagnose(step, since, reason)`` (``step``: this process's earlier calls of it;
+    ``since``: when it began, ``time.monotonic()``'s; ``reason``: the library's message)
+    on the op's thread: the message of the
     :class:`~hvd_syncbn.comm.SyncBatchNormError` it raises becomes the op's error's."""
     from mpi4py import MPI
 
     _diagnoses[MPI._handleof(comm), name] = diagnose
 
 
-@ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_char_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_char_p, ctypes.c_void_p,
-                  ctypes.c_size_t)
-def _diagnose(name: bytes, comm: int, step: int, reason: bytes, out: int, size: int) -> int:
+@ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_char_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_double, ctypes.c_char_p,
+                  ctypes.c_void_p, ctypes.c_size_t)
+def _diagnose(name: bytes, comm: int, step: int, waited: float, reason: bytes, out: int, size: int) -> int:
     """The library's hook for a failed collective: 0 where ``out`` holds the message."""
     from hvd_syncbn.comm import SyncBatchNormError
 
@@ -131,7 +133,7 @@ def _diagnose(name: bytes, comm: int, step: int, reason: bytes, out: int, size: 
     if diagnose is None:
         return 1
     try:
-        diagnose(step, reason.decode(errors="replace"))
+        diagnose(step, time.monotonic() - waited, reason.decode(errors="replace"))
     except SyncBatchNormError as e:
         text = f"{type(e).__name__}: {e}".encode(errors="replace")[:size - 1] + b"\0"
         ctypes.memmove(out, text, len(text))

@@ -57,9 +57,10 @@ std::atomic<int64_t> stuck{0};
 MPI_Comm CommFromHandle(int64_t handle) { return (MPI_Comm)(intptr_t)handle; }
 int64_t HandleOfComm(MPI_Comm comm) { return (int64_t)(intptr_t)comm; }
 
-// Python's diagnosis of a failed collective: (name, communicator handle, step, the
-// failure, out, out's size) -> 0 where it wrote the message into out (NUL-terminated).
-using Diagnose = int (*)(const char*, int64_t, int64_t, const char*, char*, size_t);
+// Python's diagnosis of a failed collective: (name, communicator handle, step, seconds
+// since it began, the failure, out, out's size) -> 0 where it wrote the message into out
+// (NUL-terminated).
+using Diagnose = int (*)(const char*, int64_t, int64_t, double, const char*, char*, size_t);
 std::atomic<Diagnose> diagnose{nullptr};
 
 std::mutex steps_mutex;
@@ -155,11 +156,14 @@ Failure SumCounted(const double* in, double* out, size_t count, const int64_t* h
                    bool* mismatch, MPI_Comm comm, double timeout, std::string_view name,
                    std::string* error) {
   const int64_t step = NextStep(comm, name);
+  const auto start = std::chrono::steady_clock::now();
   const Failure failure = SumChecked(in, out, count, header, heads, mismatch, comm, timeout, name, error);
   const Diagnose hook = diagnose.load();
   if ((failure == Failure::kMpi || failure == Failure::kDeadline) && hook != nullptr) {
+    const std::chrono::duration<double> waited = std::chrono::steady_clock::now() - start;
     std::vector<char> text(16384);
-    if (hook(std::string(name).c_str(), HandleOfComm(comm), step, error->c_str(), text.data(), text.size()) == 0) {
+    if (hook(std::string(name).c_str(), HandleOfComm(comm), step, waited.count(), error->c_str(), text.data(),
+             text.size()) == 0) {
       *error = text.data();
     }
   }
