@@ -166,8 +166,9 @@ class SyncBatchNormalization(keras.layers.BatchNormalization):
         with a poisoned header, so that every rank raises it instead of waiting."""
         comm = transports.resolve(self.comm, self.process_set, self.name)
         if comm is not None:
-            channels = int(np.prod(list(self._channels.values())))
-            call = make_call(comm, self.name, "fwd", channels, len(inputs.shape), inputs.dtype.name)
+            identity = (self.name, int(np.prod(list(self._channels.values()))), len(inputs.shape), inputs.dtype.name)
+            call = (GraphReducer(comm, self.process_set, *identity, self._sync_errors).next_call("fwd")
+                    if self._on_device() else make_call(comm, identity[0], "fwd", *identity[1:]))
             poison(comm, call, problem)
         raise ValueError(problem)
 

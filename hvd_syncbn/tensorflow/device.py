@@ -20,7 +20,7 @@ from typing import Any, Iterator, Sequence, Tuple
 import keras
 import tensorflow as tf
 
-from hvd_syncbn.comm import HEADER, Call, Communicator, fail, get_timeout, static_header
+from hvd_syncbn.comm import HEADER, Call, Communicator, fail, get_timeout, make_call, static_header
 from hvd_syncbn.deferred import FLAGS, raise_seen
 from hvd_syncbn.tensorflow import transports, xla
 from hvd_syncbn.transports import MpiCommunicator
@@ -97,6 +97,15 @@ class GraphReducer:
         began at ``since`` and failed (:func:`hvd_syncbn.comm.fail`, as on the host path)."""
         layer, rest = self.identity[0], self.identity[1:]
         fail(self.comm, Call(layer, direction, step, *rest, self.comm.rank), reason, since=since, stuck=True)
+
+    def next_call(self, direction: str) -> Call:
+        """This rank's next collective in ``direction`` as the diagnosis describes it: its
+        step the library's count where the library sums, else :func:`~hvd_syncbn.comm.make_call`'s."""
+        layer, rest = self.identity[0], self.identity[1:]
+        call = make_call(self.comm, layer, direction, *rest)
+        if self._ours():
+            call.step = xla.calls(call.name, self._mpi(layer))
+        return call
 
     def met(self) -> Tuple[Communicator, Call]:
         """This layer's collective as the diagnosis describes it (traced once: no step, either direction)."""

@@ -95,6 +95,8 @@ def load() -> ctypes.CDLL:
         lib = ctypes.CDLL(str(library_path()))
         lib.hvd_syncbn_xla_register.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_size_t]
         lib.hvd_syncbn_xla_stuck.restype = ctypes.c_int64
+        lib.hvd_syncbn_xla_calls.restype = ctypes.c_int64
+        lib.hvd_syncbn_xla_calls.argtypes = [ctypes.c_int64, ctypes.c_char_p]
         error = ctypes.create_string_buffer(1024)
         if lib.hvd_syncbn_xla_register(_tensorflow_ffi()(), TARGET.encode(), error, len(error)) != 0:
             raise RuntimeError(f"hvd_syncbn XLA allreduce: registering {TARGET!r} with XLA failed: "
@@ -121,6 +123,14 @@ def on_failure(name: str, comm: Any, diagnose: Callable[[int, float, str], None]
     from mpi4py import MPI
 
     _diagnoses[MPI._handleof(comm), name] = diagnose
+
+
+def calls(name: str, comm: Any) -> int:
+    """This process's calls so far of the collective ``name`` over ``comm`` (an mpi4py
+    communicator): the step of its next one."""
+    from mpi4py import MPI
+
+    return int(load().hvd_syncbn_xla_calls(MPI._handleof(comm), name.encode()))
 
 
 @ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_char_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_double, ctypes.c_char_p,

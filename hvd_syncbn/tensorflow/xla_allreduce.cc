@@ -287,6 +287,13 @@ int hvd_syncbn_xla_register(const XLA_FFI_Api* api, const char* target, char* er
 // How many collectives timed out in this process (their MPI requests never completed).
 int64_t hvd_syncbn_xla_stuck() { return stuck.load(); }
 
+// This process's calls so far of collective `name` over `comm`: the next one's step.
+int64_t hvd_syncbn_xla_calls(int64_t comm, const char* name) {
+  std::lock_guard<std::mutex> lock(steps_mutex);
+  const auto found = steps.find({comm, std::string(name)});
+  return found == steps.end() ? 0 : found->second;
+}
+
 // Sets the diagnosis of failed collectives (nullptr: none, the message is the library's).
 void hvd_syncbn_xla_set_diagnose(Diagnose hook) { diagnose.store(hook); }
 
