@@ -77,7 +77,7 @@ class GraphReducer:
     def __call__(self, buf: tf.Tensor, direction: str) -> tf.Tensor:
         layer, size = self.identity[0], self.comm.size
         head = static_header(layer, direction, *self.identity[1:], size)
-        buf, name = tf.cast(buf, tf.float64), f"hvd_syncbn.{layer}.{direction}"
+        buf, name = tf.cast(buf, tf.float64), self._call(direction, -1).name
         if self._ours():  # the library checks the header, and has a failure diagnosed
             mpi = self._mpi(layer)
             xla.on_failure(name, mpi, functools.partial(self._diagnose, direction))
@@ -92,24 +92,27 @@ class GraphReducer:
         with tf.control_dependencies([self.errors.assign_add(_counts({"mismatch": mixed}))]):
             return tf.identity(summed)
 
+    def _call(self, direction: str, step: int) -> Call:
+        """This layer's collective in ``direction`` at ``step``, on this rank."""
+        return Call(self.identity[0], direction, step, *self.identity[1:], self.comm.rank)
+
     def _diagnose(self, direction: str, step: int, since: float, reason: str) -> None:
         """Raise the diagnosis of this layer's ``step``-th collective in ``direction``, which
         began at ``since`` and failed (:func:`hvd_syncbn.comm.fail`, as on the host path)."""
-        layer, rest = self.identity[0], self.identity[1:]
-        fail(self.comm, Call(layer, direction, step, *rest, self.comm.rank), reason, since=since, stuck=True)
+        fail(self.comm, self._call(direction, step), reason, since=since, stuck=True)
 
     def next_call(self, direction: str) -> Call:
         """This rank's next collective in ``direction`` as the diagnosis describes it: its
         step the library's count where the library sums, else :func:`~hvd_syncbn.comm.make_call`'s."""
-        layer, rest = self.identity[0], self.identity[1:]
-        call = make_call(self.comm, layer, direction, *rest)
-        if self._ours():
-            call.step = xla.calls(call.name, self._mpi(layer))
+        if not self._ours():
+            return make_call(self.comm, self.identity[0], direction, *self.identity[1:])
+        call = self._call(direction, 0)
+        call.step = xla.calls(call.name, self._mpi(self.identity[0]))
         return call
 
     def met(self) -> Tuple[Communicator, Call]:
         """This layer's collective as the diagnosis describes it (traced once: no step, either direction)."""
-        return self.comm, Call(self.identity[0], "", -1, *self.identity[1:], self.comm.rank)
+        return self.comm, self._call("", -1)
 
     def _ours(self) -> bool:
         """Whether hvd_syncbn's allreduce sums (inside XLA, or ``comm`` MPI where it is built)."""
