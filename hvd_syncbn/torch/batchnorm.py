@@ -21,7 +21,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from hvd_syncbn import backend
 from hvd_syncbn.comm import Communicator, SyncBatchNormError
 from hvd_syncbn.torch import deferred, reducers, replicas, transports
-from hvd_syncbn.torch.device import Plan, cast, kernels_for
+from hvd_syncbn.torch.device import Plan, cast, kernels_for, plan as device_plan
 from hvd_syncbn.torch.step import DeviceFunction
 from hvd_syncbn.torch.kernels import HostKernels, Stats
 from hvd_syncbn.torch.reducers import GroupReducer, HostReducer, Identity, OpReducer
@@ -201,6 +201,7 @@ class SyncBatchNorm(_BatchNorm):
         self.check_finite = bool(check_finite)
         self.stats = backend.stats_choice("SyncBatchNorm", stats)
         self._mean_guess: Optional[Tensor] = None  # last global batch mean (see kernels.host_moments)
+        self._plans: dict = {}  # the device path's, by input signature (see _plan)
         like = next((t for t in (self.weight, self.running_mean) if t is not None), None)
         self.register_buffer("_sync_errors", torch.zeros(len(deferred.SLOTS), dtype=torch.int64,
                                                          device=None if like is None else like.device),
@@ -211,13 +212,19 @@ class SyncBatchNorm(_BatchNorm):
         self._sync_id = next(_sync_ids)
         _layers[self._sync_id] = self
 
+    def __getstate__(self) -> dict:
+        """As ``nn.Module``'s, without the device path's plans (they hold communicators)."""
+        state = super().__getstate__() if hasattr(super(), "__getstate__") else self.__dict__.copy()
+        return {**state, "_plans": {}}
+
     def __setstate__(self, state: dict) -> None:
         """As ``nn.Module``'s (``copy.deepcopy``, unpickling), the copy a layer of its own."""
         super().__setstate__(state)
         if "_sync_id" in state:
+            self.__dict__.setdefault("_plans", {})
             self._register()
 
-    _SYNC_ATTRIBUTES = ("process_set", "layer_name", "comm", "check_finite", "stats", "_mean_guess", "_sync_id")
+    _SYNC_ATTRIBUTES = ("process_set", "layer_name", "comm", "check_finite", "stats", "_mean_guess", "_plans", "_sync_id")
     """What :meth:`_init_sync` sets (and the ``_sync_errors`` buffer); reverting to plain BN drops these."""
 
     def train(self, mode: bool = True) -> "SyncBatchNorm":
@@ -273,44 +280,63 @@ class SyncBatchNorm(_BatchNorm):
             comm = self._comm(on_device and input.device.type == "cuda")
         if comm is None:
             return self._alone(input)
-        reduce = self._reducer(input, comm, on_device)
-        try:
-            self._check_input_dim(input)
-        except ValueError as e:  # bad input: every rank fails together, not this one alone
-            reduce.fail(str(e))
-        return self._on_device(input, reduce) if on_device else self._on_host(input, reduce)
-
-    def _on_device(self, x: Tensor, reduce: Any) -> Tensor:
-        """The device path (:mod:`hvd_syncbn.torch.device`): flags recorded, nothing read."""
-        plan = self._plan(x, reduce)
-        y, stats, count, flags = DeviceFunction.apply(x, self.weight, self.bias, plan)
-        self._after_step(stats, count, flags, len(reduce.head("fwd")))
+        if not on_device:
+            reduce = self._reducer(input, comm, False)
+            self._checked(input, reduce)
+            return self._on_host(input, reduce)
+        plan = self._plan(input, comm)
+        y, stats, count, flags = DeviceFunction.apply(input, self.weight, self.bias, plan)
+        self._after_step(stats, count, flags, plan)
         return y
 
-    def _plan(self, x: Tensor, reduce: Any) -> Plan:
-        """The device path's :class:`~hvd_syncbn.torch.device.Plan` for ``x``: its kernel set
-        (``$HVD_SYNCBN_KERNELS``) and the dtype of the statistics it takes."""
-        kernels = kernels_for(x.device)
-        return Plan(reduce, self.eps, kernels.acc(x, self._acc_dtype(x)), self.check_finite, kernels)
+    def _checked(self, x: Tensor, reduce: Any) -> None:
+        """Check ``x``; bad input fails every rank's step together, not this one alone."""
+        try:
+            self._check_input_dim(x)
+        except ValueError as e:
+            reduce.fail(str(e))
 
-    def _after_step(self, stats: Tensor, count: Tensor, flags: Tensor, heads: int) -> None:
+    def _plan(self, x: Tensor, comm: Communicator) -> Plan:
+        """The device path's :class:`~hvd_syncbn.torch.device.Plan` for ``x`` over ``comm``:
+        its reducer, kernel set (``$HVD_SYNCBN_KERNELS``), the dtype of the statistics it
+        takes and its lanes. Eagerly made at the first step of each input signature and
+        kept (``x`` checked then; later only its channel count)."""
+        compiling = torch.compiler.is_compiling()
+        key = None if compiling else (comm, x.dtype, x.device, x.dim(), self._acc_dtype(x), self.layer_name, self.eps,
+                                      self.check_finite)
+        found = None if compiling else self._plans.get(key)
+        if found is None or x.shape[1] != self.num_features:
+            reduce = self._reducer(x, comm, True)
+            self._checked(x, reduce)
+            found = self._make_plan(x, reduce, None if compiling else x.device)
+            if not compiling:  # traced once: nothing kept
+                self._plans[key] = found
+        return found
+
+    def _make_plan(self, x: Tensor, reduce: Any, device: Optional[torch.device]) -> Plan:
+        """A :class:`~hvd_syncbn.torch.device.Plan` for ``x`` over ``reduce`` (``None``: one
+        process), its lanes as tensors on ``device`` where given."""
+        kernels = kernels_for(x.device)
+        return device_plan(reduce, self.eps, kernels.acc(x, self._acc_dtype(x)), self.check_finite, kernels, device)
+
+    def _after_step(self, stats: Tensor, count: Tensor, flags: Tensor, plan: Plan) -> None:
         """Record a device-path step's flags and update the running statistics from its
-        global ``stats`` and ``count`` (:class:`~hvd_syncbn.torch.step.DeviceFunction`'s)."""
-        with torch.no_grad():
-            deferred.record(self.layer_name, self._sync_errors, flags, heads)
-            if self.training and self.track_running_stats:
-                updated = count < -1.0  # 2+ rows, matching headers (a NaN count compares false)
-                if self.check_finite:
-                    updated &= ~flags[-1]
-                mean, var = stats.unbind()
-                unbiased = torch.addcdiv(var, var, count[0] + 1.0, value=-1.0)  # var·N/(N−1)
-                self._running_update(mean, unbiased, updated)
+        global ``stats`` and ``count`` (:class:`~hvd_syncbn.torch.step.DeviceFunction`'s:
+        not differentiable, so no autograd records these in-place updates)."""
+        deferred.record(self.layer_name, self._sync_errors, flags, len(plan.fwd.expected) - 2, plan.asserts)
+        if self.training and self.track_running_stats:
+            updated = count < -1.0  # 2+ rows, matching headers (a NaN count compares false)
+            if self.check_finite:
+                updated &= ~flags[-1]
+            var = stats[1]
+            unbiased = torch.addcdiv(var, var, count + 1.0, value=-1.0)  # var·N/(N−1)
+            self._running_update(stats[0], unbiased, updated)
 
     def _running_update(self, mean: Tensor, var: Tensor, updated: Tensor) -> None:
         """Count the batch and move the running statistics toward ``mean`` and the unbiased
-        ``var`` where ``updated`` (a ``(1,)`` boolean tensor), without a host read."""
+        ``var`` where ``updated`` (a 0-dim boolean tensor), without a host read."""
         tracked, buffers = self.num_batches_tracked, [self.running_mean, self.running_var]
-        tracked.add_(updated[0])
+        tracked.add_(updated)
         news = [cast(torch.where(updated, new, old), old.dtype) for new, old in zip((mean, var), buffers)]
         if self.momentum is not None:
             torch._foreach_lerp_(buffers, news, self.momentum)  # lerp(old, old, w) is old: no update

@@ -25,6 +25,8 @@ statistics. A step of one row is one counted in ``steps`` and not in ``not_one_r
 adding a step's flags is then one op for every slot."""
 
 
+_NOT_ONE_ROW = SLOTS.index("not_one_row")
+
 ASSERT_ENV = "HVD_SYNCBN_DEVICE_ASSERT"
 
 
@@ -37,20 +39,19 @@ def asserts() -> bool:
                     "also assert at the step, for debugging")
 
 
-def record(name: str, seen: Tensor, flags: Tensor, heads: int) -> None:
+def record(name: str, seen: Tensor, flags: Tensor, heads: int, debug: bool) -> None:
     """Add a step's ``flags`` of layer ``name`` (a mismatch per header value for its
     ``heads`` of them, ``N ≠ 1``, the step, then non-finite statistics where checked) to
-    what it has ``seen`` (its ``_sync_errors``, :data:`SLOTS`), asserting them first in the
-    debug mode."""
-    start = SLOTS.index("not_one_row") - heads
-    if asserts():
+    what it has ``seen`` (its ``_sync_errors``, :data:`SLOTS`), asserting them first where
+    ``debug`` (:func:`asserts`)."""
+    start = _NOT_ONE_ROW - heads
+    if debug:
         mismatch, single_row, non_finite = messages(name)
         texts = (mismatch,) * heads + (single_row, None, non_finite)
         for i, (flag, text) in enumerate(zip(flags, texts)):
             if text is not None:  # every flag but N != 1 is an error
                 torch._assert_async(flag if i == heads else ~flag, f"SyncBatchNorm (device path): {text}")
-    with torch.no_grad():
-        seen[start:start + flags.numel()].add_(flags)
+    seen[start:start + flags.numel()].add_(flags)
 
 
 def check(module: nn.Module) -> None:

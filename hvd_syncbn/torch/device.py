@@ -48,6 +48,7 @@ import torch
 from torch import Tensor
 from torch._prims_common import suggest_memory_format
 
+from hvd_syncbn.torch import deferred
 from hvd_syncbn.torch.kernels import cached, ones, per_channel, reduced_dims
 
 NAN = float("nan")
@@ -72,19 +73,6 @@ def constant(values: Tuple[float, ...], device: torch.device, dtype: torch.dtype
     return cached(("values", key, device, dtype), make)
 
 
-def heads(reduce: Any, direction: str) -> Tuple[Tuple[float, ...], Tuple[float, ...]]:
-    """The head of ``direction``'s buffer (the header, then the count's 1 forward) and
-    what the ranks' sum of the lanes the step checks must be: the header times the world
-    size, then, forward, ``−1`` (a global batch of one row) and NaN (which the first
-    moment never equals: a lane that counts the steps). ``reduce`` ``None``: no header
-    (nothing crosses processes)."""
-    head = () if reduce is None else tuple(reduce.head(direction))
-    expected = tuple(reduce.size * h for h in head)
-    if direction == "fwd":
-        head, expected = head + (1.0,), expected + (-1.0, NAN)
-    return head, expected
-
-
 def moments_buffer(seed: Tensor, mean: Tensor, var: Tensor, rows: int, shift: Optional[Tensor] = None) -> Tensor:
     """``[seed | −n·mean | −n·(var + mean²)]`` in float64 (the seed's dtype; its last value,
     1, becomes ``−n``) from this rank's ``mean`` and ``var`` of ``rows`` rows, with ``shift``
@@ -92,7 +80,7 @@ def moments_buffer(seed: Tensor, mean: Tensor, var: Tensor, rows: int, shift: Op
     the rest, and is cut off: the buffer starts its storage). Three ops (four with a shift)."""
     channels, start = mean.numel(), seed.numel()
     buf = torch.cat([seed, mean, var] + ([] if shift is None else [shift]))
-    mean, square = buf[start:start + 2 * channels].view(2, -1).unbind()
+    mean, square = buf[start:start + channels], buf[start + channels:start + 2 * channels]
     if shift is not None:
         mean.add_(buf[start + 2 * channels:])
         buf = buf[:start + 2 * channels]
@@ -208,13 +196,23 @@ class Native:
         if x.numel() == 0:
             return torch.empty_like(x)
         dy, x = same_layout(dy, x)
-        minus_one = constant((-1,), x.device, torch.int32)
+        minus_one = _MINUS_ONE.get(x.device)
+        if minus_one is None:
+            minus_one = _MINUS_ONE[x.device] = constant((-1,), x.device, torch.int32)
         return torch.batch_norm_backward_elemt(dy, x, stats[0], invstd, weight, means[0], means[1], minus_one)
 
 
+_MINUS_ONE: dict = {}
+"""The native backward's count, ``[−1]`` (int32), by device."""
+
+
 def same_layout(dy: Tensor, x: Tensor) -> Tuple[Tensor, Tensor]:
-    """``dy`` and ``x`` in one memory format, ``x``'s suggested one: CUDA's elementwise backward picks its kernel by ``dy``'s layout and
-    reads ``x`` in it. No op where both already are."""
+    """``dy`` and ``x`` in one memory format, ``x``'s suggested one: CUDA's elementwise
+    backward picks its kernel by ``dy``'s layout and reads ``x`` in it. No op where both
+    already are (asked first of both contiguous: the common case, in a fraction of the
+    memory-format query's time)."""
+    if x.is_contiguous() and dy.is_contiguous():
+        return dy, x
     fmt = suggest_memory_format(x)
     return dy.contiguous(memory_format=fmt), x.contiguous(memory_format=fmt)
 
@@ -252,34 +250,80 @@ def kernels_for(device: torch.device) -> Any:
     return KERNEL_SETS[kernels_name(device.type)]
 
 
+class Lanes(NamedTuple):
+    """The lanes of one direction's buffer that the step checks: the ``head`` this rank
+    puts in front (the header, then, forward, the count's 1) and what the ranks' sum of
+    the checked lanes must be (``expected``: the header times the world size, then,
+    forward, ``−1`` (a global batch of one row) and NaN (which the first moment never
+    equals: a lane that counts the steps)). As tuples, and as float64 tensors on the
+    input's device (:meth:`on`; eagerly made once per layer and input signature)."""
+
+    head: Tuple[float, ...]
+    expected: Tuple[float, ...]
+    head_t: Optional[Tensor] = None
+    expected_t: Optional[Tensor] = None
+    nan: Optional[Tensor] = None
+    """A 0-dim float64 NaN on the device: what the count becomes after a mismatch."""
+
+    def on(self, device: torch.device) -> "Lanes":
+        return self._replace(head_t=constant(self.head, device), expected_t=constant(self.expected, device),
+                             nan=constant((NAN,), device).view(()))
+
+
+def lanes(reduce: Any, direction: str) -> Lanes:
+    """``direction``'s :class:`Lanes` over ``reduce`` (``None``: no header, nothing crosses
+    processes)."""
+    head = () if reduce is None else tuple(reduce.head(direction))
+    expected = tuple(reduce.size * h for h in head)
+    if direction == "fwd":
+        head, expected = head + (1.0,), expected + (-1.0, NAN)
+    return Lanes(head, expected)
+
+
 class Plan(NamedTuple):
     """What a device-path call needs besides tensors: the summing ``reduce`` (with its
-    ``head(direction)`` and ``size``), ``eps``, the statistics' dtype, ``check_finite``
-    and the ``kernels`` (:class:`Native` or :class:`Composite`)."""
+    ``head(direction)`` and ``size``), ``eps``, the statistics' dtype, ``check_finite``,
+    the ``kernels`` (:class:`Native` or :class:`Composite`) and each direction's
+    :class:`Lanes`. Eagerly a layer makes one per input signature and keeps it
+    (:func:`plan`): a step then looks nothing up."""
 
     reduce: Any
     eps: float
     acc: torch.dtype
     check_finite: bool
     kernels: Any = Composite
+    fwd: Optional[Lanes] = None
+    bwd: Optional[Lanes] = None
+    asserts: bool = False
 
 
-def global_stats(out: Tensor, expected: Tuple[float, ...], plan: Plan) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
-    """From the summed forward buffer ``out`` (``[W·header | −N | −Σx | −Σx²]``) and what its
-    head must be (``expected``, of :func:`heads`): the global ``(mean, biased var)`` as a
-    ``(2, C)`` tensor in ``plan.acc``, ``invstd``, ``−N`` (NaN after a header mismatch) and
-    the step's flags (:data:`hvd_syncbn.torch.deferred.SLOTS` from the first mismatch:
-    a mismatch per header value, ``N ≠ 1``, the step, then non-finite statistics with
-    ``check_finite``). Seven ops, and two for ``invstd``."""
-    heads = len(expected) - 2
-    flags = torch.ne(out[:heads + 2], constant(expected, out.device))  # [header mismatch (H), N != 1, True]
-    count = out[heads:heads + 1]
+def plan(reduce: Any, eps: float, acc: torch.dtype, check_finite: bool, kernels: Any,
+         device: Optional[torch.device] = None) -> Plan:
+    """A :class:`Plan` with both directions' lanes, as tensors on ``device`` where given
+    (eagerly; a traced step hands its custom ops the tuples), and whether the deferred
+    checks also assert at the step (:func:`hvd_syncbn.torch.deferred.asserts`)."""
+    fwd, bwd = lanes(reduce, "fwd"), lanes(reduce, "bwd")
+    if device is not None:
+        fwd, bwd = fwd.on(device), bwd.on(device)
+    return Plan(reduce, eps, acc, check_finite, kernels, fwd, bwd, deferred.asserts())
+
+
+def global_stats(out: Tensor, fwd: Lanes, plan: Plan) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """From the summed forward buffer ``out`` (``[W·header | −N | −Σx | −Σx²]``) and its
+    lanes ``fwd``: the global ``(mean, biased var)`` as a ``(2, C)`` tensor in
+    ``plan.acc``, ``invstd``, ``−N`` (0-dim; NaN after a header mismatch) and the step's
+    flags (:data:`hvd_syncbn.torch.deferred.SLOTS` from the first mismatch: a mismatch per
+    header value, ``N ≠ 1``, the step, then non-finite statistics with ``check_finite``).
+    Seven ops, and two for ``invstd``."""
+    heads = len(fwd.expected) - 2
+    flags = torch.ne(out[:heads + 2], fwd.expected_t)  # [header mismatch (H), N != 1, True]
+    count = out[heads]
     if heads:
-        count = torch.where(flags[:heads].any(), constant((NAN,), out.device), count)
+        count = torch.where(flags[:heads].any(), fwd.nan, count)
     if plan.check_finite:  # an empty global batch: zero statistics, which check_finite sees as finite
         count = count.clamp_max(-1.0)
     moments = out[heads + 1:].view(2, -1) / count  # [mean, E[x²]]
-    mean, square = moments.unbind()
+    mean, square = moments[0], moments[1]
     square.addcmul_(mean, mean, value=-1.0).clamp_min_(0.0)  # biased var
     if plan.check_finite:
         flags = torch.cat([flags, torch.isfinite(moments).all().logical_not().view(1)])
@@ -287,56 +331,55 @@ def global_stats(out: Tensor, expected: Tuple[float, ...], plan: Plan) -> Tuple[
     return stats, torch.rsqrt(stats[1] + plan.eps), count, flags
 
 
-def backward_buffer(head: Tuple[float, ...], sum_dy: Tensor, sum_dy_x: Tensor) -> Tensor:
+def backward_buffer(head: Optional[Tensor], sum_dy: Tensor, sum_dy_x: Tensor) -> Tensor:
     """The backward's buffer ``[head | Σdy | Σdy·(x − mean)·s]``, float64."""
-    if not head:  # float64 explicitly: inductor drops an empty tensor from a cat, whose dtype promoted it
+    if head is None or not head.numel():  # float64 explicitly: inductor drops an empty tensor from a cat
         return torch.cat([sum_dy, sum_dy_x]).double()
-    return torch.cat([constant(head, sum_dy.device), sum_dy, sum_dy_x])
+    return torch.cat([head, sum_dy, sum_dy_x])
 
 
-def global_means(out: Tensor, expected: Tuple[float, ...], count: Tensor, acc: torch.dtype) -> Tensor:
+def global_means(out: Tensor, bwd: Lanes, count: Tensor, acc: torch.dtype) -> Tensor:
     """The summed backward buffer ``out`` (``[W·header | ΣΣdy | ΣΣdy·(x − mean)·s]``) divided
     by the forward's ``count`` (``−N``), as ``(2, C)`` in ``acc``; a row is NaN where its
-    header value is not ``expected``. Three ops (ne, where, addcdiv_)."""
-    device, heads = out.device, len(expected)
+    header value is not ``bwd.expected``. Three ops (ne, where, addcdiv_)."""
+    device, heads = out.device, len(bwd.expected)
     channels = (out.numel() - heads) // 2
     zeros = cached(("zeros", channels, acc, device), lambda: torch.zeros(2, channels, dtype=acc, device=device))
     if heads:
-        mismatch = torch.ne(out[:heads], constant(expected, device)).view(-1, 1)
-        means = torch.where(mismatch, constant((NAN,), device, acc), zeros)
+        mismatch = torch.ne(out[:heads], bwd.expected_t).view(-1, 1)
+        means = torch.where(mismatch, bwd.nan, zeros)  # in zeros' dtype: a 0-dim NaN does not promote it
     else:
         means = zeros.clone()
     return means.addcdiv_(out[heads:].view(2, -1), count)
 
 
-def forward_local(x: Tensor, head: Tuple[float, ...], plan: Plan) -> Tensor:
-    """This rank's forward buffer ``[head | −n | −n·mean | −n·(var + mean²)]`` (``head`` of
-    :func:`heads`, its last value the count's 1)."""
-    return plan.kernels.local(x, constant(head, x.device), plan.acc)
+def forward_local(x: Tensor, fwd: Lanes, plan: Plan) -> Tensor:
+    """This rank's forward buffer ``[head | −n | −n·mean | −n·(var + mean²)]``."""
+    return plan.kernels.local(x, fwd.head_t, plan.acc)
 
 
-def forward_apply(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], out: Tensor,
-                  expected: Tuple[float, ...], plan: Plan) -> Tuple[Tensor, ...]:
+def forward_apply(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], out: Tensor, fwd: Lanes,
+                  plan: Plan) -> Tuple[Tensor, ...]:
     """From the summed forward buffer ``out``: ``y``, the global ``(mean, biased var)`` as
     ``(2, C)``, ``invstd`` (both in ``plan.acc``), ``−N`` and the step's flags
     (:func:`global_stats`)."""
-    stats, invstd, count, flags = global_stats(out, expected, plan)
+    stats, invstd, count, flags = global_stats(out, fwd, plan)
     y = plan.kernels.normalize(x, cast(weight, plan.acc), cast(bias, plan.acc), stats, invstd, plan.eps)
     return y, stats, invstd, count, flags
 
 
 def backward_local(dy: Tensor, x: Tensor, weight: Optional[Tensor], stats: Tensor, invstd: Tensor,
-                   head: Tuple[float, ...], plan: Plan) -> Tuple[Tensor, Optional[Tensor], Optional[Tensor]]:
-    """This rank's backward buffer (:func:`backward_buffer` behind ``head``) and the
+                   bwd: Lanes, plan: Plan) -> Tuple[Tensor, Optional[Tensor], Optional[Tensor]]:
+    """This rank's backward buffer (:func:`backward_buffer` behind ``bwd.head``) and the
     gradients of ``γ`` and ``β`` (``None`` without ``γ``), in ``weight``'s dtype."""
     sum_dy, sum_dy_x, *grads = plan.kernels.grad_sums(dy, x, cast(weight, plan.acc), stats, invstd, plan.eps,
                                                       plan.acc)
     grads = [None] * 2 if weight is None else [cast(g, weight.dtype) for g in grads]
-    return backward_buffer(head, sum_dy, sum_dy_x), *grads
+    return backward_buffer(bwd.head_t, sum_dy, sum_dy_x), *grads
 
 
 def backward_apply(dy: Tensor, x: Tensor, weight: Optional[Tensor], stats: Tensor, invstd: Tensor, count: Tensor,
-                   out: Tensor, expected: Tuple[float, ...], plan: Plan) -> Tensor:
+                   out: Tensor, bwd: Lanes, plan: Plan) -> Tensor:
     """``dx`` from the summed backward buffer ``out`` (:func:`global_means`)."""
-    means = global_means(out, expected, count, plan.acc)
+    means = global_means(out, bwd, count, plan.acc)
     return plan.kernels.input_grad(dy, x, cast(weight, plan.acc), stats, invstd, means, plan.eps)

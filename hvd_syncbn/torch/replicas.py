@@ -41,7 +41,7 @@ from torch.autograd.function import once_differentiable
 
 from hvd_syncbn.comm import SyncBatchNormError, get_timeout
 from hvd_syncbn.torch.device import (
-    Plan, backward_buffer, backward_local, cast, forward_apply, forward_local, global_means, heads,
+    Lanes, Plan, backward_buffer, backward_local, cast, forward_apply, forward_local, global_means,
 )
 
 _forming: "weakref.WeakKeyDictionary[nn.Module, ReplicaSet]" = weakref.WeakKeyDictionary()
@@ -129,18 +129,18 @@ def forward(layer: nn.Module, x: Tensor) -> Tensor:
 
     try:
         layer._check_input_dim(x)
-        plan = layer._plan(x, reduce)
-        head = heads(reduce, "fwd")[0]
+        plan = layer._make_plan(x, reduce, x.device)
+        fwd = plan.fwd
         if rank > 0:  # the header once per process: the others add zeros
-            head = (0.0,) * (len(head) - 1) + (1.0,)
-        tail = ReplicaStats.apply(x, layer.weight, plan, head, state)
+            fwd = Lanes((0.0,) * (len(fwd.head) - 1) + (1.0,), fwd.expected).on(x.device)
+        tail = ReplicaStats.apply(x, layer.weight, plan, fwd, state)
     except BaseException as e:  # noqa: BLE001 - every replica fails with it
         replicas.meet(rank, round, e, combine, get_timeout())
         raise
     total = replicas.meet(rank, round, (tail, state), combine, get_timeout())
     y, stats, count, flags = ReplicaNorm.apply(x, layer.weight, layer.bias, total.to(x.device), plan, state)
     if rank == 0:  # the module DataParallel keeps gets the flags and the running statistics, once
-        replicas.origin._after_step(stats, count, flags, len(head) - 1)
+        replicas.origin._after_step(stats, count, flags, plan)
     return y
 
 
@@ -150,16 +150,16 @@ class ReplicaStats(torch.autograd.Function):
     ``x``'s gradient (``weight`` is only read)."""
 
     @staticmethod
-    def forward(ctx, x, weight, plan: Plan, head: tuple, state: State):  # noqa: D401 - autograd API
+    def forward(ctx, x, weight, plan: Plan, fwd: Lanes, state: State):  # noqa: D401 - autograd API
         ctx.save_for_backward(x, weight)
-        ctx.plan, ctx.state, ctx.head = plan, state, head
-        return forward_local(x, head, plan)
+        ctx.plan, ctx.state = plan, state
+        return forward_local(x, fwd, plan)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, means):
         (x, weight), state, plan = ctx.saved_tensors, ctx.state, ctx.plan
-        means = means[len(ctx.head):].view(2, -1).to(plan.acc, copy=True)  # each replica's own: used in place
+        means = means[len(plan.fwd.head):].view(2, -1).to(plan.acc, copy=True)  # each replica's own: used in place
         dx = plan.kernels.input_grad(state.dy, x, cast(weight, plan.acc), state.stats, state.invstd, means, plan.eps)
         return dx, None, None, None, None
 
@@ -181,12 +181,12 @@ class ReplicaSum(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, sums):
         plan = ctx.plan
-        (fwd_head, _), (head, expected) = heads(plan.reduce, "fwd"), heads(plan.reduce, "bwd")
-        local = sums[len(fwd_head):]  # [Σdy | Σdy·(x − mean)·s], summed over the replicas
-        buf = backward_buffer(head, *local.view(2, -1).unbind())
+        heads = len(plan.fwd.head)
+        local = sums[heads:]  # [Σdy | Σdy·(x − mean)·s], summed over the replicas
+        buf = backward_buffer(plan.bwd.head_t, *local.view(2, -1).unbind())
         out = buf if plan.reduce is None else plan.reduce(buf, "bwd")
-        means = global_means(out, expected, ctx.states[0].count, plan.acc)
-        grad = torch.cat([sums[:len(fwd_head)], means.view(-1)])
+        means = global_means(out, plan.bwd, ctx.states[0].count, plan.acc)
+        grad = torch.cat([sums[:heads], means.view(-1)])
         return None, None, *(grad.to(device) for device in ctx.devices)
 
 
@@ -198,10 +198,9 @@ class ReplicaNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, out, plan: Plan, state: State):  # noqa: D401 - autograd API
         ctx.set_materialize_grads(False)
-        head, expected = heads(plan.reduce, "fwd")
-        y, state.stats, state.invstd, state.count, flags = forward_apply(x, weight, bias, out, expected, plan)
+        y, state.stats, state.invstd, state.count, flags = forward_apply(x, weight, bias, out, plan.fwd, plan)
         ctx.save_for_backward(x, weight)
-        ctx.plan, ctx.state, ctx.head = plan, state, head
+        ctx.plan, ctx.state = plan, state
         ctx.mark_non_differentiable(state.stats, state.count, flags)
         return y, state.stats, state.count, flags
 
@@ -211,7 +210,7 @@ class ReplicaNorm(torch.autograd.Function):
         x, weight = ctx.saved_tensors
         state, plan = ctx.state, ctx.plan
         state.dy = torch.zeros_like(x) if dy is None else dy
-        zeros = (0.0,) * len(ctx.head)  # the buffer's head gets no gradient
+        zeros = Lanes((0.0,) * len(plan.fwd.head), ()).on(x.device)  # the buffer's head gets no gradient
         buf, *grads = backward_local(state.dy, x, weight, state.stats, state.invstd, zeros, plan)
         grads = [g if need else None for g, need in zip(grads, ctx.needs_input_grad[1:3])]
         return None, *grads, buf, None, None

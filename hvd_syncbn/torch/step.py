@@ -12,7 +12,7 @@ update and the flags around them (the module's) it fuses.
 
 from __future__ import annotations
 
-from typing import Callable, List, Optional, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -20,12 +20,17 @@ from torch._prims_common import suggest_memory_format
 from torch.autograd.function import once_differentiable
 
 from hvd_syncbn.torch.device import (
-    KERNEL_SETS, Plan, backward_apply, backward_local, forward_apply, forward_local, heads,
+    KERNEL_SETS, Lanes, Plan, backward_apply, backward_local, forward_apply, forward_local,
 )
 
 
 def _plan(eps: float, acc: torch.dtype, check_finite: bool, kernels: str) -> Plan:
     return Plan(None, eps, acc, check_finite, KERNEL_SETS[kernels])
+
+
+def _lanes(device: torch.device, head: List[float] = (), expected: List[float] = ()) -> Lanes:
+    """A custom op's lanes, as tensors (each made once per process and value)."""
+    return Lanes(tuple(head), tuple(expected)).on(device)
 
 
 def _like(t: Tensor, x: Tensor) -> Tensor:
@@ -35,7 +40,7 @@ def _like(t: Tensor, x: Tensor) -> Tensor:
 
 @torch.library.custom_op("hvd_syncbn::forward_local", mutates_args=())
 def _forward_local(x: Tensor, head: List[float], eps: float, acc: torch.dtype, kernels: str) -> Tensor:
-    return forward_local(x, tuple(head), _plan(eps, acc, False, kernels))
+    return forward_local(x, _lanes(x.device, head), _plan(eps, acc, False, kernels))
 
 
 @_forward_local.register_fake
@@ -47,7 +52,7 @@ def _(x, head, eps, acc, kernels):
 def _forward_apply(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], out: Tensor, expected: List[float],
                    eps: float, acc: torch.dtype, check_finite: bool, kernels: str
                    ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    y, stats, invstd, count, flags = forward_apply(x, weight, bias, out, tuple(expected),
+    y, stats, invstd, count, flags = forward_apply(x, weight, bias, out, _lanes(x.device, expected=expected),
                                                    _plan(eps, acc, check_finite, kernels))
     return _like(y, x), stats, invstd, count.clone(), flags  # with no header, the count is a view of out
 
@@ -56,14 +61,15 @@ def _forward_apply(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], 
 def _(x, weight, bias, out, expected, eps, acc, check_finite, kernels):
     channels = x.shape[1]
     return (torch.empty_like(x, memory_format=suggest_memory_format(x)), x.new_empty(2, channels, dtype=acc),
-            x.new_empty(channels, dtype=acc), x.new_empty(1, dtype=torch.float64),
+            x.new_empty(channels, dtype=acc), x.new_empty((), dtype=torch.float64),
             x.new_empty(len(expected) + check_finite, dtype=torch.bool))
 
 
 @torch.library.custom_op("hvd_syncbn::backward_local", mutates_args=())
 def _backward_local(dy: Tensor, x: Tensor, weight: Optional[Tensor], stats: Tensor, invstd: Tensor, head: List[float],
                     eps: float, acc: torch.dtype, kernels: str) -> Tuple[Tensor, Tensor]:
-    buf, *grads = backward_local(dy, x, weight, stats, invstd, tuple(head), _plan(eps, acc, False, kernels))
+    buf, *grads = backward_local(dy, x, weight, stats, invstd, _lanes(x.device, head),
+                                 _plan(eps, acc, False, kernels))
     return buf, x.new_empty(0) if weight is None else torch.stack(grads)
 
 
@@ -76,7 +82,8 @@ def _(dy, x, weight, stats, invstd, head, eps, acc, kernels):
 @torch.library.custom_op("hvd_syncbn::backward_apply", mutates_args=())
 def _backward_apply(dy: Tensor, x: Tensor, weight: Optional[Tensor], stats: Tensor, invstd: Tensor, count: Tensor,
                     out: Tensor, expected: List[float], eps: float, acc: torch.dtype, kernels: str) -> Tensor:
-    dx = backward_apply(dy, x, weight, stats, invstd, count, out, tuple(expected), _plan(eps, acc, False, kernels))
+    dx = backward_apply(dy, x, weight, stats, invstd, count, out, _lanes(x.device, expected=expected),
+                        _plan(eps, acc, False, kernels))
     return _like(dx, x)
 
 
@@ -85,40 +92,51 @@ def _(dy, x, weight, stats, invstd, count, out, expected, eps, acc, kernels):
     return torch.empty_like(x, memory_format=suggest_memory_format(x))
 
 
-TRACED = {
-    forward_local: lambda x, head, p: _forward_local(x, list(head), p.eps, p.acc, p.kernels.name),
-    forward_apply: lambda x, w, b, out, expected, p: _forward_apply(x, w, b, out, list(expected), p.eps, p.acc,
-                                                                     p.check_finite, p.kernels.name),
-    backward_local: lambda dy, x, w, stats, invstd, head, p: _split(w, *_backward_local(
-        dy, x, w, stats, invstd, list(head), p.eps, p.acc, p.kernels.name)),
-    backward_apply: lambda dy, x, w, stats, invstd, count, out, expected, p: _backward_apply(
-        dy, x, w, stats, invstd, count, out, list(expected), p.eps, p.acc, p.kernels.name),
-}
-"""Each phase as its custom op takes it: the heads as lists, the plan as its fields."""
-
-
 def _split(weight: Optional[Tensor], buf: Tensor, grads: Tensor) -> tuple:
     return buf, *((None, None) if weight is None else grads.unbind())
 
 
-def phase(fn: Callable, *args):
-    """``fn(*args)`` (a phase of :mod:`hvd_syncbn.torch.device`, the plan last): a call
-    eagerly, its custom op when ``torch.compile`` traces."""
-    return TRACED[fn](*args) if torch.compiler.is_compiling() else fn(*args)
+class Traced:
+    """Each phase as its custom op takes it (the lanes as lists, the plan as its fields):
+    what :class:`DeviceFunction` calls while ``torch.compile`` traces."""
+
+    @staticmethod
+    def forward_local(x, fwd, p):
+        return _forward_local(x, list(fwd.head), p.eps, p.acc, p.kernels.name)
+
+    @staticmethod
+    def forward_apply(x, w, b, out, fwd, p):
+        return _forward_apply(x, w, b, out, list(fwd.expected), p.eps, p.acc, p.check_finite, p.kernels.name)
+
+    @staticmethod
+    def backward_local(dy, x, w, stats, invstd, bwd, p):
+        return _split(w, *_backward_local(dy, x, w, stats, invstd, list(bwd.head), p.eps, p.acc, p.kernels.name))
+
+    @staticmethod
+    def backward_apply(dy, x, w, stats, invstd, count, out, bwd, p):
+        return _backward_apply(dy, x, w, stats, invstd, count, out, list(bwd.expected), p.eps, p.acc, p.kernels.name)
+
+
+class Eager:
+    """Each phase as a Python call (:mod:`hvd_syncbn.torch.device`)."""
+
+    forward_local, forward_apply = staticmethod(forward_local), staticmethod(forward_apply)
+    backward_local, backward_apply = staticmethod(backward_local), staticmethod(backward_apply)
 
 
 class DeviceFunction(torch.autograd.Function):
     """Normalise with global statistics, one allreduce each way. Returns ``y`` and, not
     differentiable, the global ``(mean, biased var)`` as a ``(2, C)`` tensor in the
     accumulation dtype, ``−N`` (NaN after a header mismatch) and the step's flags
-    (:func:`hvd_syncbn.torch.deferred.record`)."""
+    (:func:`hvd_syncbn.torch.deferred.record`). Its phases are :class:`Traced` while
+    ``torch.compile`` traces, else :class:`Eager`."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, plan: Plan):  # noqa: D401 - autograd API
         ctx.set_materialize_grads(False)
-        head, expected = heads(plan.reduce, "fwd")
-        out = plan.reduce(phase(forward_local, x, head, plan), "fwd")  # [W·header | −N | −Σx | −Σx²]
-        y, stats, invstd, count, flags = phase(forward_apply, x, weight, bias, out, expected, plan)
+        phases = Traced if torch.compiler.is_compiling() else Eager
+        out = plan.reduce(phases.forward_local(x, plan.fwd, plan), "fwd")  # [W·header | −N | −Σx | −Σx²]
+        y, stats, invstd, count, flags = phases.forward_apply(x, weight, bias, out, plan.fwd, plan)
         ctx.save_for_backward(x, weight, stats, invstd, count)
         ctx.plan = plan
         ctx.mark_non_differentiable(stats, count, flags)
@@ -128,12 +146,11 @@ class DeviceFunction(torch.autograd.Function):
     @once_differentiable  # the sums are taken outside autograd: a second derivative would be silently wrong
     def backward(ctx, dy, *_):
         x, weight, stats, invstd, count = ctx.saved_tensors
-        plan = ctx.plan
+        plan, phases = ctx.plan, Traced if torch.compiler.is_compiling() else Eager
         dy = torch.zeros_like(x) if dy is None else dy
-        head, expected = heads(plan.reduce, "bwd")
-        buf, *grads = phase(backward_local, dy, x, weight, stats, invstd, head, plan)
+        buf, *grads = phases.backward_local(dy, x, weight, stats, invstd, plan.bwd, plan)
         grads = [g if need else None for g, need in zip(grads, ctx.needs_input_grad[1:3])]
         if not ctx.needs_input_grad[0]:
             return None, *grads, None
         out = plan.reduce(buf, "bwd")  # [W·header | ΣΣdy | ΣΣdy·(x − mean)·s]
-        return phase(backward_apply, dy, x, weight, stats, invstd, count, out, expected, plan), *grads, None
+        return phases.backward_apply(dy, x, weight, stats, invstd, count, out, plan.bwd, plan), *grads, None

@@ -244,9 +244,9 @@ def test_debug_asserts_raise_at_the_step(fake_world, monkeypatch, compiled):
         step(torch.randn(3, 3, 6, 6))
     assert model[1].num_batches_tracked.item() == 0 and not model[1]._sync_errors.any()
     torch._dynamo.reset()
-    monkeypatch.setenv("HVD_SYNCBN_DEVICE_ASSERT", "yes")
+    monkeypatch.setenv("HVD_SYNCBN_DEVICE_ASSERT", "yes")  # read at a layer's first step
     with pytest.raises(ValueError, match=r"HVD_SYNCBN_DEVICE_ASSERT: expected 0 .* or 1 .*, got 'yes'"):
-        model(torch.randn(3, 3, 6, 6))
+        cnn("device")(torch.randn(3, 3, 6, 6))
 
 
 def test_bad_stats_and_compile_timeout_are_refused_with_what_was_expected(monkeypatch):

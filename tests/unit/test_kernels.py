@@ -204,7 +204,8 @@ def test_native_variance_at_large_offsets_within_its_bound(offset):
         seed = device.constant((1.0,), torch.device("cpu"))
         with cuda_kernels.registered():
             total = sum(kernels.local(s, seed, torch.float32) for s in shards)
-        stats = device.global_stats(total, (-1.0, float("nan")), plan)[0]  # [−N | −Σx | −Σx²], no header
+        fwd = device.lanes(None, "fwd").on(total.device)
+        stats = device.global_stats(total, fwd, plan)[0]  # [−N | −Σx | −Σx²], no header
         err = np.abs(stats[1].double().numpy() - want)
         assert (err <= bound).all(), f"{kernels.name} at offset {offset:g}: error {err} > bound {bound}"
 
