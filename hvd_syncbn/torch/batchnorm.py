@@ -285,7 +285,9 @@ class SyncBatchNorm(_BatchNorm):
             self._checked(input, reduce)
             return self._on_host(input, reduce)
         plan = self._plan(input, comm)
-        y, stats, count, flags = DeviceFunction.apply(input, self.weight, self.bias, plan)
+        if not torch.compiler.is_compiling():
+            return DeviceFunction.apply(input, self.weight, self.bias, plan, self)
+        y, stats, count, flags = DeviceFunction.apply(input, self.weight, self.bias, plan, None)
         self._after_step(stats, count, flags, plan)
         return y
 

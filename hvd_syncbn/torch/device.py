@@ -322,7 +322,8 @@ def global_stats(out: Tensor, fwd: Lanes, plan: Plan) -> Tuple[Tensor, Tensor, T
         count = torch.where(flags[:heads].any(), fwd.nan, count)
     if plan.check_finite:  # an empty global batch: zero statistics, which check_finite sees as finite
         count = count.clamp_max(-1.0)
-    moments = out[heads + 1:].view(2, -1) / count  # [mean, E[x²]]
+    channels = (out.numel() - heads - 1) // 2
+    moments = out.as_strided((2, channels), (channels, 1), out.storage_offset() + heads + 1) / count  # [mean, E[x²]]
     mean, square = moments[0], moments[1]
     square.addcmul_(mean, mean, value=-1.0).clamp_min_(0.0)  # biased var
     if plan.check_finite:

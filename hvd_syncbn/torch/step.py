@@ -125,32 +125,52 @@ class Eager:
 
 
 class DeviceFunction(torch.autograd.Function):
-    """Normalise with global statistics, one allreduce each way. Returns ``y`` and, not
-    differentiable, the global ``(mean, biased var)`` as a ``(2, C)`` tensor in the
-    accumulation dtype, ``−N`` (NaN after a header mismatch) and the step's flags
-    (:func:`hvd_syncbn.torch.deferred.record`). Its phases are :class:`Traced` while
-    ``torch.compile`` traces, else :class:`Eager`."""
+    """Normalise with global statistics, one allreduce each way.
+
+    ``layer``: eagerly, the :class:`~hvd_syncbn.torch.SyncBatchNorm` whose flags and
+    running statistics the step updates in place (its ``_after_step``); the Function then
+    returns ``y`` alone. ``None`` while ``torch.compile`` traces (the phases are then
+    :class:`Traced`): it returns ``y`` and, not differentiable, the global
+    ``(mean, biased var)`` as a ``(2, C)`` tensor in the accumulation dtype, ``−N`` (NaN
+    after a header mismatch) and the step's flags, for the module to apply."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, plan: Plan):  # noqa: D401 - autograd API
+    def forward(ctx, x, weight, bias, plan: Plan, layer):  # noqa: D401 - autograd API
         ctx.set_materialize_grads(False)
-        phases = Traced if torch.compiler.is_compiling() else Eager
+        phases = Traced if layer is None else Eager
         out = plan.reduce(phases.forward_local(x, plan.fwd, plan), "fwd")  # [W·header | −N | −Σx | −Σx²]
         y, stats, invstd, count, flags = phases.forward_apply(x, weight, bias, out, plan.fwd, plan)
         ctx.save_for_backward(x, weight, stats, invstd, count)
-        ctx.plan = plan
+        ctx.plan, ctx.phases = plan, phases
+        if layer is not None:
+            layer._after_step(stats, count, flags, plan)
+            return y
         ctx.mark_non_differentiable(stats, count, flags)
         return y, stats, count, flags
 
     @staticmethod
-    @once_differentiable  # the sums are taken outside autograd: a second derivative would be silently wrong
     def backward(ctx, dy, *_):
-        x, weight, stats, invstd, count = ctx.saved_tensors
-        plan, phases = ctx.plan, Traced if torch.compiler.is_compiling() else Eager
-        dy = torch.zeros_like(x) if dy is None else dy
-        buf, *grads = phases.backward_local(dy, x, weight, stats, invstd, plan.bwd, plan)
-        grads = [g if need else None for g, need in zip(grads, ctx.needs_input_grad[1:3])]
-        if not ctx.needs_input_grad[0]:
-            return None, *grads, None
-        out = plan.reduce(buf, "bwd")  # [W·header | ΣΣdy | ΣΣdy·(x − mean)·s]
-        return phases.backward_apply(dy, x, weight, stats, invstd, count, out, plan.bwd, plan), *grads, None
+        if torch.is_grad_enabled():  # create_graph=True: the sums are taken outside autograd, so a
+            return _once(ctx, dy)  # second derivative would be silently wrong: it raises instead
+        return _backward(ctx, dy)
+
+
+def _backward(ctx, dy):
+    x, weight, stats, invstd, count = ctx.saved_tensors
+    plan, phases = ctx.plan, ctx.phases
+    if dy is None:
+        dy = torch.zeros_like(x)
+    buf, grad_weight, grad_bias = phases.backward_local(dy, x, weight, stats, invstd, plan.bwd, plan)
+    need_x, need_weight, need_bias = ctx.needs_input_grad[:3]
+    if not need_weight:
+        grad_weight = None
+    if not need_bias:
+        grad_bias = None
+    if not need_x:
+        return None, grad_weight, grad_bias, None, None
+    out = plan.reduce(buf, "bwd")  # [W·header | ΣΣdy | ΣΣdy·(x − mean)·s]
+    dx = phases.backward_apply(dy, x, weight, stats, invstd, count, out, plan.bwd, plan)
+    return dx, grad_weight, grad_bias, None, None
+
+
+_once = once_differentiable(_backward)
