@@ -100,9 +100,9 @@ def row(check: str, setting: str, result: str) -> None:
 
 
 def force(comm) -> None:
-    """Every SyncBatchNorm uses ``comm`` (1 rank here), on the device path."""
+    """Every SyncBatchNorm uses ``comm`` (1 rank here), on the device path: as resolved, so
+    that a traced layer registers it as an untraced one would."""
     SyncBatchNorm._resolve_comm = lambda self, nccl=False: comm
-    SyncBatchNorm._comm = lambda self, nccl=False: comm
 
 
 def sync(device) -> None:

@@ -1,0 +1,43 @@
+"""The benchmarks the docs cite, in a short mode: they run and print every row, so a
+figure in the docs can be measured again (what they measure is not asserted: timings
+belong in the benchmarks' own runs, not in tests)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from launching import clean_env
+
+pytest.importorskip("torch")
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def bench(*args: str) -> str:
+    out = subprocess.run([sys.executable, *args], cwd=ROOT, env=clean_env(), capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, f"{args} exited {out.returncode}:\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}"
+    return out.stdout
+
+
+def table(out: str) -> list:
+    return [line.split(" | ")[0].lstrip("| ") for line in out.splitlines()
+            if line.startswith("| ") and not line.startswith(("| setting", "|---"))]
+
+
+def test_bench_device_prints_both_tables():
+    """Host time per layer step: ours on both kernel sets beside BN and torch's own SyncBN
+    Function, collectives as identities and over 1-rank Gloo."""
+    out = bench("benchmarks/bench_device.py", "--iters", "2", "--steps", "2")
+    settings = ["BN", "BN again", "torch's SyncBatchNorm Function", "ours, native (kernels stubbed)", "ours, composite"]
+    assert table(out) == settings * 2 and "Collectives as identities" in out and "1-rank Gloo" in out, out
+
+
+def test_bench_compile_first_compiles_resnet18_on_both_kernel_sets():
+    """The first compile of a converted ResNet-18 (aot_eager) against plain BN's, each in a
+    fresh process."""
+    out = bench("benchmarks/bench_compile.py", "--first", "--repeats", "1", "--backend", "aot_eager")
+    assert table(out) == ["plain", "composite", "native"], out
