@@ -362,7 +362,7 @@ def running_update(xp: ArrayOps, olds: Sequence[Tensor], news: Sequence[Tensor],
     (whatever ``new`` holds: a flagged step's may be NaN). ``updated`` is a framework
     boolean scalar, or a Python or numpy one where the host knows it (then no select is
     made); ``old_weight`` a scalar in the buffers' dtype, or a number where ``xp.where``
-    takes one (:class:`~hvd_syncbn.torch.kernels.TorchOps`, as float64)."""
+    takes one."""
     if isinstance(updated, (bool, np.bool_)):
         return [ema(old, new, old_weight) if updated else old for old, new in zip(olds, news)]
     # One scalar select, not one per buffer: weight 1 keeps the old value (a graph pays per op).

@@ -28,7 +28,7 @@ from torch import nn
 
 from hvd_syncbn import comm as transport
 from hvd_syncbn.torch import SyncBatchNorm, convert_sync_batchnorm
-from hvd_syncbn.torch import kernels
+from hvd_syncbn.torch.device import Composite, Native
 from oracle import (
     EMPTY, UNEQUAL, Ranks, TorchTrainer, as_accurate, assert_close, eval_batch, global_batch, launched, shard_sizes,
     shard_slice, train_like_one_process, training_batches,
@@ -379,7 +379,8 @@ def test_a_failure_that_is_not_bad_input_is_raised_from_the_real_error(monkeypat
 
     bn = SyncBatchNorm(4, name="oom.bn")
     if RANK == 0:
-        monkeypatch.setattr(kernels, "host_moments", out_of_memory)
+        for kernels in (Native, Composite):
+            monkeypatch.setattr(kernels, "local", out_of_memory)
     x = torch.from_numpy(global_batch(21, 3, (4, 2, 2)))
     if WORLD == 1:
         assert_close(bn(x), nn.BatchNorm2d(4)(x), "alone: plain BN", **tolerance())

@@ -7,24 +7,22 @@ from __future__ import annotations
 
 import inspect
 import itertools
+import warnings
 import weakref
-from typing import Any, NamedTuple, Optional
+from typing import Any, Optional
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.autograd.function import once_differentiable
 from torch.nn import init
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from hvd_syncbn import backend
-from hvd_syncbn.comm import Communicator, SyncBatchNormError
+from hvd_syncbn.comm import Communicator
 from hvd_syncbn.torch import deferred, reducers, replicas, transports
 from hvd_syncbn.torch.device import Plan, cast, kernels_for, plan as device_plan
 from hvd_syncbn.torch.step import DeviceFunction
-from hvd_syncbn.torch.kernels import HostKernels, Stats
-from hvd_syncbn.torch.reducers import GroupReducer, HostReducer, Identity, OpReducer
+from hvd_syncbn.torch.reducers import GroupReducer, Identity, OpReducer
 from hvd_syncbn.transports import requested_kind
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
@@ -33,44 +31,6 @@ _sync_ids = itertools.count()
 _layers: "weakref.WeakValueDictionary[int, SyncBatchNorm]" = weakref.WeakValueDictionary()
 """Every layer by its ``_sync_id``: how a traced call finds its layer (Dynamo passes no
 module to a function it treats as constant)."""
-
-
-class Context(NamedTuple):
-    """What one call on the host path needs besides tensors: the kernels (with ``eps``),
-    the summing allreduce, the layer's name and ``check_finite``."""
-
-    kernels: HostKernels
-    reduce: Any
-    name: str
-    check_finite: bool
-
-    def step(self) -> backend.Step:
-        return backend.Step(self.kernels.xp, self.kernels, self.reduce, backend.RAISE, self.kernels.eps, self.name)
-
-
-class _SyncBatchNormFunction(torch.autograd.Function):
-    """The host path: normalise with global statistics (:func:`hvd_syncbn.backend.forward`);
-    backward with one packed allreduce (:func:`hvd_syncbn.backend.backward`). Returns
-    ``y`` and the global count, mean and biased variance (numpy)."""
-
-    @staticmethod
-    def forward(ctx, x, weight, bias, context: Context):  # noqa: D401 - autograd API
-        (y,), (count, mean, var), stats = backend.forward(context.step(), [x], weight, bias, context.check_finite)
-        ctx.save_for_backward(x, weight, *stats)
-        ctx.context, ctx.host_stats = context, (count, var)
-        return y, count, mean, var
-
-    @staticmethod
-    @once_differentiable  # the sums are taken outside autograd: a second derivative would be silently wrong
-    def backward(ctx, dy, *_):
-        x, weight, *saved = ctx.saved_tensors
-        (count, var), kernels = ctx.host_stats, ctx.context.kernels
-        scale = None if weight is None else kernels.wide(weight)
-        dxs, sum_dy, sum_dy_xhat = backend.backward(ctx.context.step(), [dy], [x], count, var, Stats(*saved),
-                                                    scale, ctx.needs_input_grad[0])
-        grads = [None if weight is None or not need else kernels.vector(s, weight.dtype)
-                 for s, need in ((sum_dy_xhat, ctx.needs_input_grad[1]), (sum_dy, ctx.needs_input_grad[2]))]
-        return (None if dxs is None else dxs[0]), *grads, None
 
 
 class SyncBatchNorm(_BatchNorm):
@@ -114,15 +74,18 @@ class SyncBatchNorm(_BatchNorm):
             mpi4py, else Horovod. Default: ``$HVD_SYNCBN_COMM``, else ``"auto"``.
         check_finite: raise ``ValueError`` on every rank, before any update, when the
             global statistics are not finite (NaN/Inf in some rank's input). Default: ``False``.
-        stats: where the per-channel statistics are computed between the passes over the
-            data: ``"host"`` (numpy, fastest for CPU tensors in eager mode), ``"device"``
-            (tensors on the input's device, no host read, traceable by ``torch.compile``;
-            its checks are deferred to :func:`~hvd_syncbn.torch.check`) or ``"auto"``:
-            the device for CUDA inputs and under ``torch.compile``, else the host.
-            Default: ``$HVD_SYNCBN_STATS``, else ``"auto"``. On the device the passes
-            over the data are torch's fused batch-norm kernels where the device has
-            them (CUDA), else generic ops (``$HVD_SYNCBN_KERNELS``: ``"auto"``,
-            ``"native"`` or ``"composite"``).
+        stats: when the checks of the global batch (ranks that summed different
+            collectives, a global batch of one row, ``check_finite``) raise. The
+            statistics are tensors on the input's device whatever this says. ``"auto"``:
+            at the step, on every rank, for CPU tensors in eager mode (a host read costs
+            nothing there); for CUDA tensors and under ``torch.compile`` no host read:
+            the output is NaN after a mismatch, nothing updates, and
+            :func:`~hvd_syncbn.torch.check` (or ``train()``/``eval()``) raises. ``"device"``:
+            deferred on every device. ``"host"`` (deprecated): at the step on every
+            device. Default: ``$HVD_SYNCBN_STATS``, else ``"auto"``. The passes over the
+            data are torch's fused batch-norm kernels where the device has them (CUDA),
+            else generic ops (``$HVD_SYNCBN_KERNELS``: ``"auto"``, ``"native"`` or
+            ``"composite"``).
         process_group: ``process_set`` under ``torch.nn.SyncBatchNorm``'s name; give
             one of the two, not both.
 
@@ -199,8 +162,7 @@ class SyncBatchNorm(_BatchNorm):
         self.layer_name = name or f"SyncBatchNorm_{next(_layer_ids)}"
         self.comm = comm
         self.check_finite = bool(check_finite)
-        self.stats = backend.stats_choice("SyncBatchNorm", stats)
-        self._mean_guess: Optional[Tensor] = None  # last global batch mean (see kernels.host_moments)
+        self.stats = stats_choice(stats)
         self._plans: dict = {}  # the device path's, by input signature (see _plan)
         like = next((t for t in (self.weight, self.running_mean) if t is not None), None)
         self.register_buffer("_sync_errors", torch.zeros(len(deferred.SLOTS), dtype=torch.int64,
@@ -224,7 +186,7 @@ class SyncBatchNorm(_BatchNorm):
             self.__dict__.setdefault("_plans", {})
             self._register()
 
-    _SYNC_ATTRIBUTES = ("process_set", "layer_name", "comm", "check_finite", "stats", "_mean_guess", "_plans", "_sync_id")
+    _SYNC_ATTRIBUTES = ("process_set", "layer_name", "comm", "check_finite", "stats", "_plans", "_sync_id")
     """What :meth:`_init_sync` sets (and the ``_sync_errors`` buffer); reverting to plain BN drops these."""
 
     def train(self, mode: bool = True) -> "SyncBatchNorm":
@@ -255,12 +217,10 @@ class SyncBatchNorm(_BatchNorm):
         comm = _traced_comm(self._sync_id, nccl) if torch.compiler.is_compiling() else self._resolve_comm(nccl)
         return comm if comm is not None and comm.size > 1 else None
 
-    def _reducer(self, x: Tensor, comm: Communicator, on_device: bool) -> Any:
-        """How this call's buffers are summed: numpy on the host; on the device a functional
-        collective (``torch.distributed``) or the custom op (Horovod, MPI)."""
+    def _reducer(self, x: Tensor, comm: Communicator) -> Any:
+        """How this call's buffers are summed: a functional collective (``torch.distributed``)
+        or the custom op (Horovod, MPI)."""
         identity = Identity.of(self.layer_name, self.num_features, x)
-        if not on_device:
-            return HostReducer(comm, identity)
         return GroupReducer(comm, identity) if comm.traceable else OpReducer(comm, identity, x.device)
 
     def _replicate_for_data_parallel(self) -> "SyncBatchNorm":
@@ -271,19 +231,13 @@ class SyncBatchNorm(_BatchNorm):
         return replica
 
     def forward(self, input: Tensor) -> Tensor:
-        comm, on_device = None, False
+        comm = None
         if "_replicas" in self.__dict__ and (self.training or not self.track_running_stats):  # under DataParallel
             return replicas.forward(self, input)
         if self.training or not self.track_running_stats:  # synchronized
-            on_device = self.stats == "device" or self.stats == "auto" and (
-                input.device.type != "cpu" or torch.compiler.is_compiling())
-            comm = self._comm(on_device and input.device.type == "cuda")
+            comm = self._comm(input.device.type == "cuda")
         if comm is None:
             return self._alone(input)
-        if not on_device:
-            reduce = self._reducer(input, comm, False)
-            self._checked(input, reduce)
-            return self._on_host(input, reduce)
         plan = self._plan(input, comm)
         if not torch.compiler.is_compiling():
             return DeviceFunction.apply(input, self.weight, self.bias, plan, self)
@@ -305,27 +259,35 @@ class SyncBatchNorm(_BatchNorm):
         kept (``x`` checked then; later only its channel count)."""
         compiling = torch.compiler.is_compiling()
         key = None if compiling else (comm, x.dtype, x.device, x.dim(), self._acc_dtype(x), self.layer_name, self.eps,
-                                      self.check_finite)
+                                      self.check_finite, self.stats)
         found = None if compiling else self._plans.get(key)
         if found is None or x.shape[1] != self.num_features:
-            reduce = self._reducer(x, comm, True)
+            reduce = self._reducer(x, comm)
             self._checked(x, reduce)
-            found = self._make_plan(x, reduce, None if compiling else x.device)
+            raises = not compiling and (self.stats == "host" or self.stats == "auto" and x.device.type == "cpu")
+            found = self._make_plan(x, reduce, None if compiling else x.device, raises)
             if not compiling:  # traced once: nothing kept
                 self._plans[key] = found
         return found
 
-    def _make_plan(self, x: Tensor, reduce: Any, device: Optional[torch.device]) -> Plan:
+    def _make_plan(self, x: Tensor, reduce: Any, device: Optional[torch.device], raises: bool = False) -> Plan:
         """A :class:`~hvd_syncbn.torch.device.Plan` for ``x`` over ``reduce`` (``None``: one
-        process), its lanes as tensors on ``device`` where given."""
+        process), its lanes as tensors on ``device`` where given; ``raises``: its checks
+        raise at the step (a host read) instead of being deferred."""
         kernels = kernels_for(x.device)
-        return device_plan(reduce, self.eps, kernels.acc(x, self._acc_dtype(x)), self.check_finite, kernels, device)
+        return device_plan(reduce, self.eps, kernels.acc(x, self._acc_dtype(x)), self.check_finite, kernels, device,
+                           raises)
 
     def _after_step(self, stats: Tensor, count: Tensor, flags: Tensor, plan: Plan) -> None:
-        """Record a device-path step's flags and update the running statistics from its
-        global ``stats`` and ``count`` (:class:`~hvd_syncbn.torch.step.DeviceFunction`'s:
-        not differentiable, so no autograd records these in-place updates)."""
-        deferred.record(self.layer_name, self._sync_errors, flags, len(plan.fwd.expected) - 2, plan.asserts)
+        """Apply a step's checks (raised now where ``plan.raises``, else recorded for
+        :func:`~hvd_syncbn.torch.check`) and update the running statistics from its global
+        ``stats`` and ``count`` (:class:`~hvd_syncbn.torch.step.DeviceFunction`'s: not
+        differentiable, so no autograd records these in-place updates)."""
+        heads = len(plan.fwd.expected) - 2
+        if plan.raises:
+            self._raise_now(flags.tolist(), heads, plan)
+        else:
+            deferred.record(self.layer_name, self._sync_errors, flags, heads, plan.asserts)
         if self.training and self.track_running_stats:
             updated = count < -1.0  # 2+ rows, matching headers (a NaN count compares false)
             if self.check_finite:
@@ -333,6 +295,17 @@ class SyncBatchNorm(_BatchNorm):
             var = stats[1]
             unbiased = torch.addcdiv(var, var, count + 1.0, value=-1.0)  # var·N/(N−1)
             self._running_update(stats[0], unbiased, updated)
+
+    def _raise_now(self, flags: list, heads: int, plan: Plan) -> None:
+        """Raise on every rank, before any update, what the step's ``flags`` (read on the
+        host) say: ranks that summed different collectives (after the diagnosis, which
+        names each rank's layer), a global batch of one row, non-finite statistics."""
+        if any(flags[:heads]):
+            plan.reduce.diagnose("ranks summed different collectives")
+        if not flags[heads]:
+            raise ValueError(backend.single_row_message(self.layer_name))
+        if self.check_finite and flags[-1]:
+            raise ValueError(backend.non_finite_message(self.layer_name))
 
     def _running_update(self, mean: Tensor, var: Tensor, updated: Tensor) -> None:
         """Count the batch and move the running statistics toward ``mean`` and the unbiased
@@ -346,26 +319,6 @@ class SyncBatchNorm(_BatchNorm):
         weight = tracked.clamp_min(1).reciprocal()  # a cumulative average
         for buf, new in zip(buffers, news):
             buf.lerp_(new, cast(weight, buf.dtype))
-
-    def _on_host(self, x: Tensor, reduce: HostReducer) -> Tensor:
-        """The host path: statistics in numpy, checks that raise."""
-        acc = self._acc_dtype(x)
-        kernels = HostKernels(self.eps, acc, x.device, self._mean_guess,
-                              lambda problem, e: reduce.fail(f"{self.layer_name}: {problem}", SyncBatchNormError, e))
-        y, count, mean, var = _SyncBatchNormFunction.apply(x, self.weight, self.bias,
-                                                           Context(kernels, reduce, self.layer_name, self.check_finite))
-        # the next step centres its data on this global mean (see kernels.host_moments)
-        self._mean_guess = kernels.vector(mean, acc) if np.isfinite(mean).all() else None
-        if self.training and self.track_running_stats and count[0] > 0:
-            with torch.no_grad():
-                self.num_batches_tracked.add_(1)
-                momentum = self.momentum if self.momentum is not None else 1.0 / float(self.num_batches_tracked)
-                buffers = (self.running_mean, self.running_var)
-                news = backend.running_update(backend.NUMPY_OPS, [kernels.wide(b) for b in buffers],
-                                              [mean, backend.unbiased(var, count)], 1.0 - momentum, True)
-                for buf, new in zip(buffers, news):
-                    buf.copy_(torch.from_numpy(new))
-        return y
 
     def _alone(self, input: Tensor) -> Tensor:
         """Plain BN, but as across ranks a lone training row raises, an empty batch counts nothing."""
@@ -400,6 +353,20 @@ def _traced_comm(layer_id: int, nccl: bool) -> Optional[Communicator]:
 def _rows(x: Tensor) -> int:
     """Rows per channel of ``(N, C, *)`` (0 for an empty or malformed input)."""
     return x.numel() // x.shape[1] if x.dim() > 1 and x.shape[1] else 0
+
+
+def stats_choice(stats: Optional[str]) -> str:
+    """The layer's ``stats`` (else ``$HVD_SYNCBN_STATS``, else ``"auto"``), checked; ``"host"``
+    warns that it is deprecated, saying what it now does."""
+    value = backend.stats_choice("SyncBatchNorm", stats)
+    if value == "host":
+        where = "stats='host'" if stats is not None else f"${backend.STATS_ENV}=host"
+        warnings.warn(f"SyncBatchNorm: {where} is deprecated and will be removed: the statistics are computed on the "
+                      f"input's device on every path now, and 'host' only keeps the checks at the step on every "
+                      f"device (a host read per step, a sync on a GPU); use 'auto' (checks at the step for CPU "
+                      f"tensors in eager mode, deferred to hvd_syncbn.torch.check() elsewhere)", DeprecationWarning,
+                      stacklevel=4)
+    return value
 
 
 def one_group(where: str, process_set: Any, process_group: Any) -> Any:

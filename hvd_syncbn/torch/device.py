@@ -313,9 +313,11 @@ def lanes(reduce: Any, direction: str) -> Lanes:
 class Plan(NamedTuple):
     """What a device-path call needs besides tensors: the summing ``reduce`` (with its
     ``head(direction)`` and ``size``), ``eps``, the statistics' dtype, ``check_finite``,
-    the ``kernels`` (:class:`Native` or :class:`Composite`) and each direction's
-    :class:`Lanes`. Eagerly a layer makes one per input signature and keeps it
-    (:func:`plan`): a step then looks nothing up."""
+    the ``kernels`` (:class:`Native` or :class:`Composite`), each direction's
+    :class:`Lanes`, whether the deferred checks also assert at the step (``asserts``) and
+    whether they raise at the step instead (``raises``: CPU tensors in eager mode, where
+    a host read costs nothing). Eagerly a layer makes one per input signature and keeps
+    it (:func:`plan`): a step then looks nothing up."""
 
     reduce: Any
     eps: float
@@ -325,17 +327,18 @@ class Plan(NamedTuple):
     fwd: Optional[Lanes] = None
     bwd: Optional[Lanes] = None
     asserts: bool = False
+    raises: bool = False
 
 
 def plan(reduce: Any, eps: float, acc: torch.dtype, check_finite: bool, kernels: Any,
-         device: Optional[torch.device] = None) -> Plan:
+         device: Optional[torch.device] = None, raises: bool = False) -> Plan:
     """A :class:`Plan` with both directions' lanes, as tensors on ``device`` where given
     (eagerly; a traced step hands its custom ops the tuples), and whether the deferred
     checks also assert at the step (:func:`hvd_syncbn.torch.deferred.asserts`)."""
     fwd, bwd = lanes(reduce, "fwd"), lanes(reduce, "bwd")
     if device is not None:
         fwd, bwd = fwd.on(device), bwd.on(device)
-    return Plan(reduce, eps, acc, check_finite, kernels, fwd, bwd, deferred.asserts())
+    return Plan(reduce, eps, acc, check_finite, kernels, fwd, bwd, deferred.asserts(), raises)
 
 
 def global_stats(out: Tensor, fwd: Lanes, plan: Plan) -> Tuple[Tensor, Tensor, Tensor, Tensor]:

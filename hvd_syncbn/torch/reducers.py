@@ -1,19 +1,18 @@
 """How :class:`~hvd_syncbn.torch.SyncBatchNorm` sums its buffers over the ranks: the
-``reduce(buf, direction)`` of :class:`hvd_syncbn.backend.Step`, one per path.
+``reduce(buf, direction)`` of a step (:mod:`hvd_syncbn.torch.step`), per transport.
 
-- :class:`HostReducer`: numpy buffers through :func:`hvd_syncbn.comm.allreduce` (the
-  step-counted identity header, the deadline, the diagnosis) over any transport.
-- :class:`OpReducer`: the device path over Horovod or MPI: the custom op
-  ``hvd_syncbn::allreduce`` around the same call, which ``torch.compile`` keeps opaque.
-  CUDA buffers go to the transport as they are where it reads device memory
+- :class:`OpReducer`: over Horovod or MPI, :func:`hvd_syncbn.comm.allreduce` (the
+  step-counted identity header, checked on the host, the deadline, the diagnosis);
+  under ``torch.compile`` in the custom op ``hvd_syncbn::allreduce``, which it keeps
+  opaque. CUDA buffers go to the transport as they are where it reads device memory
   (``device_buffers``), else through one copy into pinned host memory.
-- :class:`GroupReducer`: the device path over ``torch.distributed``: a functional
-  collective on SyncBN's own group (NCCL for CUDA tensors, Gloo on the CPU) with SyncBN's
-  timeout, in the custom op ``hvd_syncbn::group_allreduce`` under ``torch.compile``; a
-  failed collective is diagnosed as on the host path. Its header is static (no step),
-  in the buffer the device path builds and checks (:mod:`hvd_syncbn.torch.device`); a
-  mismatch makes the step's output NaN and sets a flag that
-  :func:`~hvd_syncbn.torch.check` raises.
+- :class:`GroupReducer`: over ``torch.distributed``, a functional collective on SyncBN's
+  own group (NCCL for CUDA tensors, Gloo on the CPU) with SyncBN's timeout, in the
+  custom op ``hvd_syncbn::group_allreduce`` under ``torch.compile``; a failed collective
+  is diagnosed over the side channel. Its header is static (no step), in the buffer the
+  step builds and checks (:mod:`hvd_syncbn.torch.device`); a mismatch makes the step's
+  output NaN and sets a flag, raised at the step (:meth:`diagnose`) or by
+  :func:`~hvd_syncbn.torch.check`.
 
 Each can also ``fail(problem)``: end every rank's step with ``problem`` (joining the
 forward collective the peers wait in, where the transport has a diagnosis).
@@ -59,18 +58,10 @@ class Identity(NamedTuple):
         return make_call(comm, self.layer, direction, self.channels, self.ndim, self.dtype)
 
 
-class HostReducer:
-    """Numpy buffers over ``comm``."""
-
-    def __init__(self, comm: Communicator, identity: Identity) -> None:
-        self.comm, self.identity = comm, identity
-
-    def __call__(self, buf, direction: str):
-        return allreduce(self.comm, buf, self.identity.call(self.comm, direction))
-
-    def fail(self, problem: str, error: type = SyncBatchNormInputError,
-             cause: Optional[BaseException] = None) -> None:
-        poison(self.comm, self.identity.call(self.comm, "fwd"), problem, error, cause)
+    def current(self, comm: Communicator, direction: str) -> Call:
+        """This rank's latest collective in ``direction`` over ``comm`` (no step counted)."""
+        step = comm.__dict__.get("_steps", {}).get((self.layer, direction), 0)
+        return Call(self.layer, direction, step, self.channels, self.ndim, self.dtype, comm.rank)
 
 
 _comms: List[Communicator] = []
@@ -90,26 +81,30 @@ def known_comm(index: int) -> Communicator:
     return _comms[index]
 
 
-@torch.library.custom_op("hvd_syncbn::allreduce", mutates_args=(),
-                         tags=tuple(getattr(torch.Tag, t) for t in ("cudagraph_unsafe",) if hasattr(torch.Tag, t)))
-def _allreduce(buf: Tensor, comm: int, layer: str, direction: str, channels: int, ndim: int, dtype: str) -> Tensor:
-    """:func:`hvd_syncbn.comm.allreduce` of a float64 buffer over ``_comms[comm]``; the
-    first call of each layer and direction waits :func:`hvd_syncbn.comm.compile_timeout`
-    more, as a peer may still be compiling."""
-    if buf.dtype != torch.float64:  # what its fake returns must be what it returns
-        raise TypeError(f"hvd_syncbn::allreduce: expected a float64 buffer, got {buf.dtype}")
-    c = _comms[comm]
-    call = Identity(layer, channels, ndim, dtype).call(c, direction)
+def host_summed(comm: Communicator, identity: Identity, buf: Tensor, direction: str) -> Tensor:
+    """:func:`hvd_syncbn.comm.allreduce` of a float64 buffer over ``comm``; the first call of
+    each layer and direction waits :func:`hvd_syncbn.comm.compile_timeout` more, as a peer
+    may still be compiling."""
+    call = identity.call(comm, direction)
     timeout = collective_timeout(call.step == 0)
-    join = joiner(c, buf.device)
+    join = joiner(comm, buf.device)
     payload = buf.detach()
     if join is prepend:  # host memory: a CUDA buffer crosses once, into pinned memory
         payload = payload.to("cpu", non_blocking=True)
         if buf.is_cuda:
             torch.cuda.current_stream(buf.device).synchronize()
         payload = payload.numpy()
-    out = allreduce(c, payload, call, timeout, join=join)
+    out = allreduce(comm, payload, call, timeout, join=join)
     return torch.as_tensor(out).to(buf.device, non_blocking=True)
+
+
+@torch.library.custom_op("hvd_syncbn::allreduce", mutates_args=(),
+                         tags=tuple(getattr(torch.Tag, t) for t in ("cudagraph_unsafe",) if hasattr(torch.Tag, t)))
+def _allreduce(buf: Tensor, comm: int, layer: str, direction: str, channels: int, ndim: int, dtype: str) -> Tensor:
+    """:func:`host_summed` over ``_comms[comm]`` under ``torch.compile``."""
+    if buf.dtype != torch.float64:  # what its fake returns must be what it returns
+        raise TypeError(f"hvd_syncbn::allreduce: expected a float64 buffer, got {buf.dtype}")
+    return host_summed(_comms[comm], Identity(layer, channels, ndim, dtype), buf, direction)
 
 
 @_allreduce.register_fake
@@ -136,25 +131,27 @@ def joiner(comm: Communicator, device: torch.device) -> Join:
     return join
 
 
-class OpReducer(HostReducer):
-    """Device tensors over Horovod or MPI, through the custom op."""
+class OpReducer:
+    """Tensors over Horovod or MPI (:func:`host_summed`; under ``torch.compile`` its custom op)."""
 
     def __init__(self, comm: Communicator, identity: Identity, device: torch.device) -> None:
-        super().__init__(comm, identity)
+        self.comm, self.identity = comm, identity
         self.index, self.device, self.size = comm_index(comm), device, comm.size
 
     @staticmethod
     def head(direction: str) -> Tuple[float, ...]:
-        """Nothing: the op puts the step-counted header in front on the host and checks it there."""
+        """Nothing: the step-counted header goes in front on the host and is checked there."""
         return ()
 
     def __call__(self, buf: Tensor, direction: str) -> Tensor:
-        return _allreduce(buf, self.index, self.identity.layer, direction, *self.identity[1:])
+        if torch.compiler.is_compiling():
+            return _allreduce(buf, self.index, self.identity.layer, direction, *self.identity[1:])
+        return host_summed(self.comm, self.identity, buf, direction)
 
     def fail(self, problem: str, error: type = SyncBatchNormInputError,
              cause: Optional[BaseException] = None) -> None:
         poison(self.comm, self.identity.call(self.comm, "fwd"), problem, error, cause,
-                         join=joiner(self.comm, self.device))
+               join=joiner(self.comm, self.device))
 
 
 def summed(comm: Communicator, identity: Identity, buf: Tensor, direction: str) -> Tensor:
@@ -216,6 +213,12 @@ class GroupReducer:
         if torch.compiler.is_compiling():
             return _group_allreduce(buf, self.index, self.identity.layer, direction, *self.identity[1:])
         return summed(self.comm, self.identity, buf, direction)
+
+    def diagnose(self, problem: str) -> None:
+        """Raise :class:`SyncBatchNormError` for ``problem`` in the step's forward collective
+        after the diagnosis over the side channel, which every rank (each saw the same sum)
+        joins: it names the layer each rank was in."""
+        fail(self.comm, self.identity.current(self.comm, "fwd"), problem)
 
     @torch.compiler.disable  # the diagnosis runs in Python: Dynamo would try to trace it
     def fail(self, problem: str, error: type = SyncBatchNormInputError,

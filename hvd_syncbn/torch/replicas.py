@@ -115,14 +115,14 @@ class State:
 def forward(layer: nn.Module, x: Tensor) -> Tensor:
     """A replica's synchronized forward, eager under ``torch.compile`` (a graph break)."""
     replicas, rank = layer._replicas, layer._replica_rank
-    reduce = None if replicas.comm is None else layer._reducer(x, replicas.comm, True)  # over the processes
+    reduce = None if replicas.comm is None else layer._reducer(x, replicas.comm)  # over the processes
     round = layer.__dict__["_replica_round"] = layer.__dict__.get("_replica_round", -1) + 1
     state = State()
 
     def combine(items: List[Any]) -> Tensor:
         failed = next((t for t in items if isinstance(t, BaseException)), None)
         if failed is not None:
-            if reduce is not None:  # the other processes' step fails with it too (the host path's diagnosis)
+            if reduce is not None:  # the other processes' step fails with it too (the transport's diagnosis)
                 reduce.fail(f"{type(failed).__name__}: {failed}")
             raise failed
         return ReplicaSum.apply(plan, [s for _, s in items], *(t for t, _ in items))

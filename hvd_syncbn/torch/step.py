@@ -19,6 +19,7 @@ from torch import Tensor
 from torch._prims_common import suggest_memory_format
 from torch.autograd.function import once_differentiable
 
+from hvd_syncbn.comm import SyncBatchNormError
 from hvd_syncbn.torch.device import (
     KERNEL_SETS, Lanes, Plan, backward_apply, backward_local, forward_apply, forward_local,
 )
@@ -138,7 +139,13 @@ class DeviceFunction(torch.autograd.Function):
     def forward(ctx, x, weight, bias, plan: Plan, layer):  # noqa: D401 - autograd API
         ctx.set_materialize_grads(False)
         phases = Traced if layer is None else Eager
-        out = plan.reduce(phases.forward_local(x, plan.fwd, plan), "fwd")  # [W·header | −N | −Σx | −Σx²]
+        try:
+            buf = phases.forward_local(x, plan.fwd, plan)
+        except Exception as e:  # noqa: BLE001 - e.g. out of memory: release the peers, raise it here
+            if layer is None:
+                raise
+            plan.reduce.fail(f"{layer.layer_name}: {type(e).__name__}: {e}", SyncBatchNormError, e)
+        out = plan.reduce(buf, "fwd")  # [W·header | −N | −Σx | −Σx²]
         y, stats, invstd, count, flags = phases.forward_apply(x, weight, bias, out, plan.fwd, plan)
         ctx.save_for_backward(x, weight, stats, invstd, count)
         ctx.plan, ctx.phases = plan, phases

@@ -91,8 +91,8 @@ def made_from_data(monkeypatch):
 
 def second_step(stats: str, rows: int, log: list, mode=None) -> list:
     """What ``log`` holds after the second training step (the first makes the layers'
-    constants) of ``cnn(stats)`` on ``rows`` rows, run in ``mode`` if given; the host
-    path over a local communicator of 2."""
+    constants) of ``cnn(stats)`` on ``rows`` rows, run in ``mode`` if given; ``"host"``
+    over a local communicator of 2 (numpy buffers, checks read at the step), for contrast."""
     model = cnn(stats)
     for m in model.modules():
         if isinstance(m, SyncBatchNorm) and stats == "host":
@@ -108,8 +108,9 @@ def second_step(stats: str, rows: int, log: list, mode=None) -> list:
 @pytest.mark.parametrize("rows", [3, 0])
 def test_device_step_makes_no_tensor_from_data(fake_world, kernels, made_from_data, rows):
     """After a layer's first step (which makes its constants), a training step of a
-    converted model makes no tensor from Python or numpy data, on either kernel set; the
-    host path, for contrast, does (its statistics cross as numpy), so the count can fail."""
+    converted model makes no tensor from Python or numpy data, on either kernel set;
+    ``stats="host"`` over a local communicator, for contrast, does (its buffers cross as
+    numpy), so the count can fail."""
     device, host = (second_step(stats, rows, made_from_data) for stats in ("device", "host"))
     assert device == [], f"tensors made from data on the device path: {device}"
     assert len(host) > 0, "the wrapper saw no tensor made from data on the host path"
@@ -129,7 +130,7 @@ def test_device_step_runs_on_the_meta_device(fake_world):
 @pytest.mark.parametrize("rows", [3, 0])
 def test_device_path_makes_no_host_read_in_forward_and_backward(fake_world, kernels, host_reads, rows):
     """Zero host reads on the device path (an empty rank included), on either kernel set;
-    the host path (over a local communicator), for contrast, makes them, so the count
+    ``stats="host"`` (over a local communicator), for contrast, makes them, so the count
     can fail."""
     device, host = (second_step(stats, rows, host_reads, HostReads(host_reads)) for stats in ("device", "host"))
     assert device == [], f"host reads on the device path: {device}"
@@ -230,6 +231,20 @@ def test_header_mismatch_poisons_the_output_and_raises_at_check(fake_world, kern
     assert model[1].num_batches_tracked.item() == 0 and model[4].num_batches_tracked.item() == 0
     with pytest.raises(transport.SyncBatchNormError, match="1: ranks summed different collectives.*; 4: ranks"):
         check(model)
+
+
+def test_cpu_checks_raise_at_the_step_in_eager_mode(fake_world):
+    """For CPU tensors in eager mode (``stats="auto"``, the default) the fake group's header
+    mismatch raises at the step, after the diagnosis, naming the layer, before any
+    update and with nothing left for ``check``; ``stats="device"`` defers it (the test
+    above); ``"host"`` warns that it is deprecated, saying what it now does."""
+    model = cnn("auto")
+    with collective_timeout(0.5), pytest.raises(transport.SyncBatchNormError,
+                                                match=r"(?s)ranks summed different collectives.*layer '1' forward"):
+        model(torch.randn(3, 3, 6, 6))
+    assert model[1].num_batches_tracked.item() == 0 and not model[1]._sync_errors.any()
+    with pytest.warns(DeprecationWarning, match=r"stats='host' is deprecated .* use 'auto'"):
+        SyncBatchNorm(4, stats="host")
 
 
 @pytest.mark.parametrize("compiled", [False, True])
