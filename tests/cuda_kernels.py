@@ -1,5 +1,5 @@
 """CPU stand-ins of torch's fused batch-norm kernels that only CUDA has, for the tests
-that run SyncBN's native kernel set without a GPU (``hvd_syncbn.torch.device.Native``).
+that run SyncBN's native kernel set without a GPU (``hvd_syncbn.torch.kernels.Native``).
 
 Each is written from the CUDA kernel's contract as ``aten/src/ATen/native/cuda/
 Normalization.cu`` and ``Normalization.cuh`` state it, and computes in float64, its
@@ -177,7 +177,7 @@ STAND_INS = {"batch_norm_update_stats": update_stats, "batch_norm_elemt": elemt,
 def registered(kernels: Optional[dict] = None):
     """``kernels`` (default: the stand-ins; ``{op name: function}``) as the CPU kernels of
     their aten ops inside the block (the CPU's own ``batch_norm_update_stats`` back after it)."""
-    from hvd_syncbn.torch.device import missing_kernels
+    from hvd_syncbn.torch.kernels import missing_kernels
 
     lib = torch.library.Library("aten", "IMPL")
     with warnings.catch_warnings():  # "Overriding a previously registered kernel": the CPU update_stats

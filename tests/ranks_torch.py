@@ -28,7 +28,7 @@ from torch import nn
 
 from hvd_syncbn import comm as transport
 from hvd_syncbn.torch import SyncBatchNorm, convert_sync_batchnorm
-from hvd_syncbn.torch.device import Composite, Native
+from hvd_syncbn.torch.kernels import Composite, Native
 from oracle import (
     EMPTY, UNEQUAL, Ranks, TorchTrainer, as_accurate, assert_close, eval_batch, global_batch, launched, shard_sizes,
     shard_slice, train_like_one_process, training_batches,

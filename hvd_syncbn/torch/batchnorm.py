@@ -20,7 +20,8 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from hvd_syncbn import backend
 from hvd_syncbn.comm import Communicator
 from hvd_syncbn.torch import deferred, reducers, replicas, transports
-from hvd_syncbn.torch.device import Plan, cast, kernels_for, plan as device_plan
+from hvd_syncbn.torch.device import Plan, plan as device_plan
+from hvd_syncbn.torch.kernels import cast, kernels_for
 from hvd_syncbn.torch.step import DeviceFunction
 from hvd_syncbn.torch.reducers import GroupReducer, Identity, OpReducer
 from hvd_syncbn.transports import requested_kind
@@ -245,12 +246,13 @@ class SyncBatchNorm(_BatchNorm):
         self._after_step(stats, count, flags, plan)
         return y
 
-    def _checked(self, x: Tensor, reduce: Any) -> None:
-        """Check ``x``; bad input fails every rank's step together, not this one alone."""
+    def _checked(self, x: Tensor, reduce: Any, joins: bool = False) -> None:
+        """Check ``x``; bad input fails every rank's step together, not this one alone
+        (``joins``: see :meth:`~hvd_syncbn.torch.reducers.GroupReducer.fail`)."""
         try:
             self._check_input_dim(x)
         except ValueError as e:
-            reduce.fail(str(e))
+            reduce.fail(str(e), joins=joins)
 
     def _plan(self, x: Tensor, comm: Communicator) -> Plan:
         """The device path's :class:`~hvd_syncbn.torch.device.Plan` for ``x`` over ``comm``:
@@ -263,8 +265,8 @@ class SyncBatchNorm(_BatchNorm):
         found = None if compiling else self._plans.get(key)
         if found is None or x.shape[1] != self.num_features:
             reduce = self._reducer(x, comm)
-            self._checked(x, reduce)
             raises = not compiling and (self.stats == "host" or self.stats == "auto" and x.device.type == "cpu")
+            self._checked(x, reduce, raises)
             found = self._make_plan(x, reduce, None if compiling else x.device, raises)
             if not compiling:  # traced once: nothing kept
                 self._plans[key] = found

@@ -81,12 +81,12 @@ def known_comm(index: int) -> Communicator:
     return _comms[index]
 
 
-def host_summed(comm: Communicator, identity: Identity, buf: Tensor, direction: str) -> Tensor:
-    """:func:`hvd_syncbn.comm.allreduce` of a float64 buffer over ``comm``; the first call of
-    each layer and direction waits :func:`hvd_syncbn.comm.compile_timeout` more, as a peer
-    may still be compiling."""
+def host_summed(comm: Communicator, identity: Identity, buf: Tensor, direction: str, traced: bool = False) -> Tensor:
+    """:func:`hvd_syncbn.comm.allreduce` of a float64 buffer over ``comm``; ``traced`` (the
+    custom op of a compiled step): the first call of each layer and direction waits
+    :func:`hvd_syncbn.comm.compile_timeout` more, as a peer may still be compiling."""
     call = identity.call(comm, direction)
-    timeout = collective_timeout(call.step == 0)
+    timeout = collective_timeout(traced and call.step == 0)
     join = joiner(comm, buf.device)
     payload = buf.detach()
     if join is prepend:  # host memory: a CUDA buffer crosses once, into pinned memory
@@ -104,7 +104,7 @@ def _allreduce(buf: Tensor, comm: int, layer: str, direction: str, channels: int
     """:func:`host_summed` over ``_comms[comm]`` under ``torch.compile``."""
     if buf.dtype != torch.float64:  # what its fake returns must be what it returns
         raise TypeError(f"hvd_syncbn::allreduce: expected a float64 buffer, got {buf.dtype}")
-    return host_summed(_comms[comm], Identity(layer, channels, ndim, dtype), buf, direction)
+    return host_summed(_comms[comm], Identity(layer, channels, ndim, dtype), buf, direction, traced=True)
 
 
 @_allreduce.register_fake
@@ -149,22 +149,25 @@ class OpReducer:
         return host_summed(self.comm, self.identity, buf, direction)
 
     def fail(self, problem: str, error: type = SyncBatchNormInputError,
-             cause: Optional[BaseException] = None) -> None:
+             cause: Optional[BaseException] = None, joins: bool = True) -> None:
+        """Join the forward collective the peers wait in with a header none matches, then
+        raise ``problem`` after the diagnosis (:func:`hvd_syncbn.comm.poison`; always joins)."""
         poison(self.comm, self.identity.call(self.comm, "fwd"), problem, error, cause,
                join=joiner(self.comm, self.device))
 
 
-def summed(comm: Communicator, identity: Identity, buf: Tensor, direction: str) -> Tensor:
+def summed(comm: Communicator, identity: Identity, buf: Tensor, direction: str, traced: bool = False) -> Tensor:
     """``buf`` summed over ``comm``'s group (a ``torch.distributed`` one: SyncBN's own, see
     :class:`~hvd_syncbn.torch.transports.TorchDistComm`) by a functional collective,
-    waiting the group's timeout: SyncBN's, after a layer's first collective in a
-    direction. If the collective fails (Gloo's timeout, a peer gone), the ranks that can
-    still talk diagnose over the side channel and raise :class:`SyncBatchNormError`
-    naming the layer, the direction, the step and the missing ranks
+    waiting the group's timeout: SyncBN's (``traced``, the custom op of a compiled step:
+    more for a layer's first collective in a direction, as a peer may still be compiling).
+    If the collective fails (Gloo's timeout, a peer gone), the ranks that can still talk
+    diagnose over the side channel and raise :class:`SyncBatchNormError` naming the
+    layer, the direction, the step and the missing ranks
     (:func:`hvd_syncbn.comm.fail`). NCCL's collectives do not block the host: its
     watchdog ends the process at the timeout (docs/failures.md)."""
     call = identity.call(comm, direction)
-    comm.bound(call.step == 0)
+    comm.bound(traced and call.step == 0)
     since = time.monotonic()
     c10d = torch.ops._c10d_functional
     try:
@@ -185,7 +188,7 @@ def _group_allreduce(buf: Tensor, comm: int, layer: str, direction: str, channel
                      dtype: str) -> Tensor:
     """:func:`summed` under ``torch.compile``: the collective's failure turns into the
     diagnosis in Python, which a traced collective would not reach."""
-    return summed(_comms[comm], Identity(layer, channels, ndim, dtype), buf, direction)
+    return summed(_comms[comm], Identity(layer, channels, ndim, dtype), buf, direction, traced=True)
 
 
 @_group_allreduce.register_fake
@@ -222,9 +225,14 @@ class GroupReducer:
 
     @torch.compiler.disable  # the diagnosis runs in Python: Dynamo would try to trace it
     def fail(self, problem: str, error: type = SyncBatchNormInputError,
-             cause: Optional[BaseException] = None) -> None:
-        """Raise ``problem`` here after the diagnosis, which the peers meet when their
-        collective times out: every rank names this rank and ``problem``."""
+             cause: Optional[BaseException] = None, joins: bool = False) -> None:
+        """Raise ``problem`` here after the diagnosis: every rank names this rank and
+        ``problem``. ``joins`` (the peers check their step's header at once): first join
+        the forward collective they wait in, with a header none matches, so they diagnose
+        at once and the group stays usable; else they meet the diagnosis when their
+        collective times out (no host read on their side)."""
         call = self.identity.call(self.comm, "fwd")
+        if joins:
+            poison(self.comm, call, problem, error, cause)
         call.problem = problem
         fail(self.comm, call, problem, error, cause=cause)

@@ -41,8 +41,9 @@ from torch.autograd.function import once_differentiable
 
 from hvd_syncbn.comm import SyncBatchNormError, get_timeout
 from hvd_syncbn.torch.device import (
-    Lanes, Plan, backward_buffer, backward_local, cast, forward_apply, forward_local, global_means,
+    Lanes, Plan, backward_buffer, backward_local, forward_apply, forward_local, global_means,
 )
+from hvd_syncbn.torch.kernels import cast
 
 _forming: "weakref.WeakKeyDictionary[nn.Module, ReplicaSet]" = weakref.WeakKeyDictionary()
 

@@ -20,9 +20,8 @@ from torch._prims_common import suggest_memory_format
 from torch.autograd.function import once_differentiable
 
 from hvd_syncbn.comm import SyncBatchNormError
-from hvd_syncbn.torch.device import (
-    KERNEL_SETS, Lanes, Plan, backward_apply, backward_local, forward_apply, forward_local,
-)
+from hvd_syncbn.torch.device import Lanes, Plan, backward_apply, backward_local, forward_apply, forward_local
+from hvd_syncbn.torch.kernels import KERNEL_SETS
 
 
 def _plan(eps: float, acc: torch.dtype, check_finite: bool, kernels: str) -> Plan:
@@ -144,7 +143,7 @@ class DeviceFunction(torch.autograd.Function):
         except Exception as e:  # noqa: BLE001 - e.g. out of memory: release the peers, raise it here
             if layer is None:
                 raise
-            plan.reduce.fail(f"{layer.layer_name}: {type(e).__name__}: {e}", SyncBatchNormError, e)
+            plan.reduce.fail(f"{layer.layer_name}: {type(e).__name__}: {e}", SyncBatchNormError, e, plan.raises)
         out = plan.reduce(buf, "fwd")  # [W·header | −N | −Σx | −Σx²]
         y, stats, invstd, count, flags = phases.forward_apply(x, weight, bias, out, plan.fwd, plan)
         ctx.save_for_backward(x, weight, stats, invstd, count)

@@ -1,4 +1,4 @@
-"""The PyTorch device path's two kernel sets (``hvd_syncbn.torch.device``): the native
+"""The PyTorch kernel sets (``hvd_syncbn.torch.kernels``): the native
 set (torch's fused CUDA kernels), run here through ``cuda_kernels.py``'s CPU stand-ins,
 checked first against torch's own CPU kernels; the choice between the sets; what a step
 of each costs (dispatched ops, touches of input-sized tensors); the native set's
@@ -21,6 +21,7 @@ import cuda_kernels  # noqa: E402
 from conftest import collective_timeout, results, run, world  # noqa: E402
 from hvd_syncbn.torch import SyncBatchNorm  # noqa: E402
 from hvd_syncbn.torch import device  # noqa: E402
+from hvd_syncbn.torch.kernels import KERNELS_ENV, Composite, Native, constant, kernels_for  # noqa: E402
 from hvd_syncbn.torch import kernels as kernels_module  # noqa: E402
 from oracle import UNEQUAL, Ranks, TorchTrainer, as_accurate, eval_batch, shard_sizes, train_like_one_process  # noqa: E402
 from oracle import training_batches  # noqa: E402
@@ -87,21 +88,21 @@ def test_kernel_set_is_chosen_by_the_device_and_the_environment(monkeypatch):
     """``auto`` takes the native set where the device has all its kernels (here only with
     the stand-ins, on the CPU), else the composite; ``native`` elsewhere, or a bad value,
     is refused saying what was expected."""
-    monkeypatch.delenv(device.KERNELS_ENV, raising=False)
+    monkeypatch.delenv(KERNELS_ENV, raising=False)
     cpu, meta = torch.device("cpu"), torch.device("meta")
-    assert device.kernels_for(cpu) is device.Composite and device.kernels_for(meta) is device.Composite
+    assert kernels_for(cpu) is Composite and kernels_for(meta) is Composite
     with cuda_kernels.registered():
-        assert device.kernels_for(cpu) is device.Native and device.kernels_for(meta) is device.Composite
-        monkeypatch.setenv(device.KERNELS_ENV, "composite")
-        assert device.kernels_for(cpu) is device.Composite
-    monkeypatch.setenv(device.KERNELS_ENV, "native")
+        assert kernels_for(cpu) is Native and kernels_for(meta) is Composite
+        monkeypatch.setenv(KERNELS_ENV, "composite")
+        assert kernels_for(cpu) is Composite
+    monkeypatch.setenv(KERNELS_ENV, "native")
     with pytest.raises(ValueError, match=r"HVD_SYNCBN_KERNELS=native: this torch has no CPU kernel of "
                                          r"batch_norm_elemt, .*expected tensors on a device that has torch's fused"):
-        device.kernels_for(cpu)
-    monkeypatch.setenv(device.KERNELS_ENV, "cuda")
+        kernels_for(cpu)
+    monkeypatch.setenv(KERNELS_ENV, "cuda")
     with pytest.raises(ValueError, match=r"expected \$HVD_SYNCBN_KERNELS to be 'auto', 'native' or 'composite', "
                                          r"got 'cuda'"):
-        device.kernels_for(cpu)
+        kernels_for(cpu)
 
 
 class Counted(TorchDispatchMode):
@@ -200,14 +201,14 @@ def test_native_variance_at_large_offsets_within_its_bound(offset):
     shards = sharded(offset)
     want = torch.cat(shards).double().var([0, 2], correction=0).numpy()
     plan = device.Plan(None, 1e-5, torch.float32, False)
-    for kernels, bound in ((device.Native, native_bound(shards)), (device.Composite, 8 * 2.0**-24 * want)):
-        seed = device.constant((1.0,), torch.device("cpu"))
+    for kernel_set, bound in ((Native, native_bound(shards)), (Composite, 8 * 2.0**-24 * want)):
+        seed = constant((1.0,), torch.device("cpu"))
         with cuda_kernels.registered():
-            total = sum(kernels.local(s, seed, torch.float32) for s in shards)
+            total = sum(kernel_set.local(s, seed, torch.float32) for s in shards)
         fwd = device.lanes(None, "fwd").on(total.device)
         stats = device.global_stats(total, fwd, plan)[0]  # [−N | −Σx | −Σx²], no header
         err = np.abs(stats[1].double().numpy() - want)
-        assert (err <= bound).all(), f"{kernels.name} at offset {offset:g}: error {err} > bound {bound}"
+        assert (err <= bound).all(), f"{kernel_set.name} at offset {offset:g}: error {err} > bound {bound}"
 
 
 CASES = {  # the layer's configurations, per kernel set at 2 ranks against plain BN in the same precision

@@ -151,7 +151,7 @@ def test_torch_device_kernel_matches_reference(layout, dtype, kind):
     1e-5 absolute even at mean 1e4 / std 0.1, where a plain float32 mean is off by 1e-3;
     the variance within the kernels' tolerance."""
     torch = pytest.importorskip("torch")
-    from hvd_syncbn.torch.device import Composite, constant
+    from hvd_syncbn.torch.kernels import Composite, constant
 
     x = torch_input(layout, kind, dtype)
     count, mean, var = torch_reference(x)
