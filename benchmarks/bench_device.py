@@ -88,8 +88,11 @@ def table(title: str, iters: int, steps: int) -> None:
     x = torch.randn(2, 64, 4, 4, requires_grad=True)
     dy = torch.randn_like(x)
 
+    layers = []
+
     def run(layer: nn.Module, kernels: str = ""):
         args = (x, layer.weight, layer.bias)
+        layers.append(layer)
 
         def go():
             if kernels:
@@ -103,6 +106,8 @@ def table(title: str, iters: int, steps: int) -> None:
                 "ours, native (kernels stubbed)": run(SyncBatchNorm(64, stats="device"), "native"),
                 "ours, composite": run(SyncBatchNorm(64, stats="device"), "composite")}
     result = timed(settings, iters, lambda: None)
+    ours = [layer for layer in layers if isinstance(layer, SyncBatchNorm)]
+    assert all(layer._plans for layer in ours), "ours ran as plain BN: no synchronized step was planned"
     base, torch_fn = result["BN"]["median"], result["torch's SyncBatchNorm Function"]["median"]
     print(f"\n{title}\n\n| setting | µs per step (median) | q1–q3 | vs BN | vs torch's Function |\n|---|---|---|---|---|")
     for name, r in result.items():
@@ -119,7 +124,7 @@ def main() -> None:
     store = tempfile.mkdtemp()  # the group's file store, for the life of the process
     dist.init_process_group("gloo", init_method=f"file://{store}/pg", rank=0, world_size=1)
     comm = TorchDistComm(None)
-    SyncBatchNorm._resolve_comm = lambda self, nccl=False: comm  # as resolved: traced layers register it
+    SyncBatchNorm._comm = lambda self, nccl=False: comm  # a communicator of 1 rank counts as several
     print(f"bench_device: host time per layer step, (2, 64, 4, 4) float32, fwd+bwd, torch {torch.__version__}, "
           f"{args.iters} runs of {args.steps} steps, {time.strftime('%Y-%m-%d')}")
     with cuda_kernels.registered(STUBS):  # for every setting: only the native set and torch's call these ops

@@ -79,7 +79,7 @@ from torch import nn
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.append(str(ROOT / "peers"))  # fairscale and vacancy's sync_batchnorm, where fetched (peers/README)
-from hvd_syncbn.torch import SyncBatchNorm, convert_sync_batchnorm  # noqa: E402
+from hvd_syncbn.torch import SyncBatchNorm, convert_sync_batchnorm, reducers  # noqa: E402
 from hvd_syncbn.torch.transports import TorchDistComm  # noqa: E402
 
 # (N, C, H, W): ResNet-50 stages and a segmentation decoder at per-GPU batches, then at batch 32/64.
@@ -100,9 +100,11 @@ def row(check: str, setting: str, result: str) -> None:
 
 
 def force(comm) -> None:
-    """Every SyncBatchNorm uses ``comm`` (1 rank here), on the device path: as resolved, so
-    that a traced layer registers it as an untraced one would."""
+    """Every SyncBatchNorm uses ``comm`` (1 rank here, which counts as several), registered as
+    a traced layer's own ``_comm`` registers its communicator."""
+    reducers.comm_index(comm)
     SyncBatchNorm._resolve_comm = lambda self, nccl=False: comm
+    SyncBatchNorm._comm = lambda self, nccl=False: comm
 
 
 def sync(device) -> None:
