@@ -24,8 +24,10 @@ def bench(*args: str) -> str:
 
 
 def table(out: str) -> list:
-    return [line.split(" | ")[0].lstrip("| ") for line in out.splitlines()
-            if line.startswith("| ") and not line.startswith(("| setting", "|---"))]
+    """The first cell of every row of the printed tables (their headers left out)."""
+    lines = out.splitlines()
+    return [line.split(" | ")[0].lstrip("| ") for i, line in enumerate(lines)
+            if line.startswith("| ") and not (i + 1 < len(lines) and lines[i + 1].startswith("|---"))]
 
 
 def test_bench_device_prints_both_tables():
@@ -41,3 +43,10 @@ def test_bench_compile_first_compiles_resnet18_on_both_kernel_sets():
     fresh process."""
     out = bench("benchmarks/bench_compile.py", "--first", "--repeats", "1", "--backend", "aot_eager")
     assert table(out) == ["plain", "composite", "native"], out
+
+
+def test_bench_versions_times_two_trees_alternately():
+    """A CPU training step at 2 ranks under mpirun and torchrun, this tree against a
+    baseline checkout (here itself), each net in each."""
+    out = bench("benchmarks/bench_versions.py", "--baseline", str(ROOT), "--rounds", "1", "--steps", "2")
+    assert table(out) == ["mpirun", "mpirun", "torchrun", "torchrun"], out
