@@ -249,11 +249,16 @@ def static_header(layer: str, direction: str, channels: int, ndim: int, dtype: s
     return header(Call(layer, direction, 0, channels, ndim, dtype), world)
 
 
-def make_call(comm: Communicator, layer: str, direction: str, channels: int, ndim: int, dtype: str) -> Call:
+def make_call(comm: Communicator, layer: str, direction: str, channels: int, ndim: int, dtype: str,
+              count: bool = True) -> Call:
     """This rank's identity of ``layer``'s next collective in ``direction`` over ``comm``;
-    its ``step`` counts this process's earlier calls of that collective on ``comm``."""
+    its ``step`` counts this process's earlier calls of that collective on ``comm``.
+    ``count=False``: the latest one's instead, counting nothing."""
     steps = comm.__dict__.setdefault("_steps", {})
-    step = steps[layer, direction] = steps.get((layer, direction), -1) + 1
+    latest = steps.get((layer, direction), -1)
+    step = latest + 1 if count else max(latest, 0)
+    if count:
+        steps[layer, direction] = step
     return Call(layer, direction, step, channels, ndim, dtype, comm.rank)
 
 

@@ -306,8 +306,8 @@ class SyncBatchNorm(_BatchNorm):
             plan.reduce.diagnose("ranks summed different collectives")
         if not flags[heads]:
             raise ValueError(backend.single_row_message(self.layer_name))
-        if self.check_finite and flags[-1]:
-            raise ValueError(backend.non_finite_message(self.layer_name))
+        if self.check_finite:
+            backend.check_finite(self.layer_name, not flags[-1])
 
     def _running_update(self, mean: Tensor, var: Tensor, updated: Tensor) -> None:
         """Count the batch and move the running statistics toward ``mean`` and the unbiased

@@ -6,7 +6,7 @@ and the constants and layout helpers they share.
   ``batch_norm_elemt``, ``batch_norm_backward_reduce``, ``batch_norm_backward_elemt``):
   8 touches of input-sized tensors per step;
 - :class:`Composite`: generic ops, for every device (the CPU's): the local sums of
-  ``x − mean`` by the native backward kernel, 11 touches.
+  ``x − mean`` by the native backward kernel, 12 touches.
 
 ``$HVD_SYNCBN_KERNELS`` (``auto``, ``native`` or ``composite``) chooses; ``auto`` takes the
 native set where the input's device has its kernels (CUDA), else the composite. The
@@ -113,7 +113,7 @@ class Composite:
     """The passes over the data by generic ops (every device): the local moments of
     ``x − shift`` by the native backward kernel (``var_mean`` for other layouts than
     channels-first), ``y`` and ``s·x̂ + t`` by the inference kernel, the
-    gradient sums by the native backward kernel; 11 touches of input-sized tensors."""
+    gradient sums by the native backward kernel; 12 touches of input-sized tensors."""
 
     name = "composite"
 
@@ -231,14 +231,8 @@ class Native:
         if x.numel() == 0:
             return torch.empty_like(x)
         dy, x = same_layout(dy, x)
-        minus_one = _MINUS_ONE.get(x.device)
-        if minus_one is None:
-            minus_one = _MINUS_ONE[x.device] = constant((-1,), x.device, torch.int32)
+        minus_one = constant((-1,), x.device, torch.int32)
         return torch.batch_norm_backward_elemt(dy, x, stats[0], invstd, weight, means[0], means[1], minus_one)
-
-
-_MINUS_ONE: dict = {}
-"""The native backward's count, ``[−1]`` (int32), by device."""
 
 
 def same_layout(dy: Tensor, x: Tensor) -> Tuple[Tensor, Tensor]:

@@ -60,8 +60,7 @@ class Identity(NamedTuple):
 
     def current(self, comm: Communicator, direction: str) -> Call:
         """This rank's latest collective in ``direction`` over ``comm`` (no step counted)."""
-        step = comm.__dict__.get("_steps", {}).get((self.layer, direction), 0)
-        return Call(self.layer, direction, step, self.channels, self.ndim, self.dtype, comm.rank)
+        return make_call(comm, self.layer, direction, self.channels, self.ndim, self.dtype, count=False)
 
 
 _comms: List[Communicator] = []
@@ -233,6 +232,6 @@ class GroupReducer:
         collective times out (no host read on their side)."""
         call = self.identity.call(self.comm, "fwd")
         if joins:
-            poison(self.comm, call, problem, error, cause)
+            poison(self.comm, call, problem, error, cause)  # raises, after the diagnosis
         call.problem = problem
         fail(self.comm, call, problem, error, cause=cause)
