@@ -4,16 +4,16 @@ Forward, per layer and step, on every rank (with zero rows too):
 
 1. local moments: ``count``, ``mean`` and biased ``var`` per channel
    (:func:`local_moments`, or an adapter's faster kernel for the same contract);
-2. pack ``[n, n·mean, n·(var + mean²)]`` into one float64 buffer (:func:`pack_moments`);
+2. pack them into one float64 buffer (:mod:`hvd_syncbn.layout`: ``[−n, −n·mean, −n·(var + mean²)]``);
 3. one summing allreduce of it (the adapter's, behind :mod:`hvd_syncbn.comm`'s header);
-4. global moments ``N``, ``mean``, ``var`` (:func:`unpack_moments`);
+4. global moments ``N``, ``mean``, ``var`` (:func:`~hvd_syncbn.layout.unpack_moments`);
 5. normalise ``y = γ·(x − mean)/√(var + ε) + β``, and update the running statistics
    from ``mean`` and :func:`unbiased` ``var`` by :func:`ema`, unless ``N = 0``.
 
 Backward, with the statistics as constants:
 
 1. local sums ``Σdy`` and ``Σdy·x̂`` per channel;
-2. pack ``[Σdy, Σdy·x̂]`` (:func:`pack_grad_sums`); one summing allreduce;
+2. pack ``[Σdy, Σdy·x̂]`` (:mod:`hvd_syncbn.layout`); one summing allreduce;
 3. ``dx = k·dy + s·x̂ + t`` with ``(k, s, t)`` from :func:`input_grad_coeffs`;
    ``dγ = Σdy·x̂`` and ``dβ = Σdy`` stay local (the optimizer's allreduce sums them).
 
@@ -29,10 +29,12 @@ moments must be those of :func:`local_moments`.
 
 from __future__ import annotations
 
-import os
 from typing import Any, Callable, NamedTuple, Optional, Protocol, Sequence, Tuple
 
 import numpy as np
+
+from hvd_syncbn.layout import pack_grad_sums, pack_moments, unpack_grad_sums, unpack_moments
+from hvd_syncbn.validation import non_finite_message, single_row_message
 
 Tensor = Any
 AllreduceSum = Callable[[Tensor, str], Tensor]
@@ -149,33 +151,6 @@ def needs_float64(xp: ArrayOps, mean: Tensor, var: Tensor) -> Any:
     return xp.any(mean * mean > (MEAN_RATIO_FOR_FLOAT64**2) * var)
 
 
-def moments_size(channels: int) -> int:
-    """The length of a :func:`pack_moments` buffer: ``2C + 1``."""
-    return 2 * channels + 1
-
-
-def pack_moments(xp: ArrayOps, count: Tensor, mean: Tensor, var: Tensor) -> Tensor:
-    """One float64 buffer ``[n, n·mean, n·(var + mean²)]`` of local moments.
-
-    Buffers of several parts (towers, replicas, ranks) combine by summing.
-
-    Shape:
-        - count: ``(1,)``; mean, var: ``(C,)``; returns ``(2C+1,)``.
-    """
-    n, m, v = xp.wide(count), xp.wide(mean), xp.wide(var)
-    return xp.concat([n, n * m, n * (v + m * m)])
-
-
-def unpack_moments(xp: ArrayOps, buf: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
-    """Count, mean and biased variance (clamped at 0) of a summed :func:`pack_moments` buffer."""
-    channels = (buf.shape[0] - 1) // 2
-    total = buf[0:1]
-    safe = xp.maximum(total, 1.0)
-    mean = buf[1 : channels + 1] / safe
-    var = xp.maximum(buf[channels + 1 :] / safe - mean * mean, 0.0)
-    return total, mean, var
-
-
 def sync_moments(
     xp: ArrayOps,
     allreduce_sum: AllreduceSum,
@@ -185,7 +160,7 @@ def sync_moments(
 ) -> Tuple[Tensor, Tensor, Tensor]:
     """Global count, mean and biased variance from every rank's local moments.
 
-    One allreduce of one float64 buffer ``[n, n·mean, n·(var + mean²)]``. A rank with
+    One allreduce of one float64 buffer (:func:`~hvd_syncbn.layout.pack_moments`). A rank with
     no rows passes ``count = 0`` and zeros for ``mean`` and ``var``; it still joins.
 
     Args:
@@ -200,17 +175,6 @@ def sync_moments(
         - Returns ``(1,)``, ``(C,)``, ``(C,)``, float64.
     """
     return unpack_moments(xp, allreduce_sum(pack_moments(xp, count, mean, var), "fwd"))
-
-
-def pack_grad_sums(xp: ArrayOps, sum_dy: Tensor, sum_dy_xhat: Tensor) -> Tensor:
-    """One buffer ``[Σdy, Σdy·x̂]``, ``(2C,)``; buffers of several parts combine by summing."""
-    return xp.concat([sum_dy, sum_dy_xhat])
-
-
-def unpack_grad_sums(buf: Tensor) -> Tuple[Tensor, Tensor]:
-    """``(Σdy, Σdy·x̂)`` of a summed :func:`pack_grad_sums` buffer."""
-    channels = buf.shape[0] // 2
-    return buf[:channels], buf[channels:]
 
 
 def sync_grad_sums(xp: ArrayOps, allreduce_sum: AllreduceSum, sum_dy: Tensor,
@@ -375,96 +339,3 @@ def _add(terms: Sequence[Tensor]) -> Tensor:
     for t in terms[1:]:
         total = total + t
     return total
-
-
-def check_input(
-    layer: str,
-    shape: Sequence[int | None],
-    channel_axis: int,
-    num_features: int,
-    is_floating: bool,
-    dtype: object,
-    cast: str,
-) -> None:
-    """Static input checks shared by the adapters; raises ``ValueError`` naming the layer.
-
-    Args:
-        layer: the layer's name, for the message.
-        shape: the input's static shape (``None`` for unknown sizes).
-        channel_axis: the axis that holds the features (negative counts from the end).
-        num_features: the channel count the layer was built for.
-        is_floating: whether the input dtype is a real floating type.
-        dtype: the input dtype, for the message.
-        cast: how to cast in the caller's framework, for the message (``x.float()``).
-    """
-    if len(shape) < 2:
-        raise ValueError(
-            f"{layer}: expected an input with at least 2 dims (N, C, ...), "
-            f"got {len(shape)}D input of shape {tuple(shape)}"
-        )
-    if not is_floating:
-        raise ValueError(
-            f"{layer}: expected a floating-point input (float16, bfloat16, float32 or "
-            f"float64), got {dtype}; cast it first, e.g. {cast}"
-        )
-    got = shape[channel_axis]
-    if got is not None and got != num_features:
-        raise ValueError(
-            f"{layer}: expected {num_features} channels on axis {channel_axis}, got {got} "
-            f"(input shape {tuple(shape)})"
-        )
-
-
-def check_args(layer: str, eps: Any, momentum: Any, eps_name: str = "eps", momentum_none: bool = False) -> None:
-    """Constructor checks shared by the adapters; raises ``ValueError`` naming the layer.
-
-    Args:
-        layer: the layer (class) name, for the message.
-        eps: the variance epsilon; must be > 0.
-        momentum: must lie in [0, 1] (or be ``None`` where ``momentum_none``).
-        eps_name: the framework's name for ``eps``.
-        momentum_none: whether ``None`` (PyTorch's cumulative average) is allowed.
-    """
-    if not eps > 0:
-        raise ValueError(f"{layer}: expected {eps_name} > 0, got {eps!r}")
-    if momentum is None and momentum_none:
-        return
-    if momentum is None or not 0.0 <= float(momentum) <= 1.0:
-        allowed = "[0, 1] or None" if momentum_none else "[0, 1]"
-        raise ValueError(f"{layer}: expected momentum in {allowed}, got {momentum!r}")
-
-
-STATS_ENV = "HVD_SYNCBN_STATS"
-
-
-def stats_choice(what: str, stats: Optional[str]) -> str:
-    """A layer's ``stats`` (where its statistics live between the passes: ``"host"``,
-    ``"device"`` or ``"auto"``), else ``$HVD_SYNCBN_STATS``, else ``"auto"``, checked."""
-    value = stats if stats is not None else os.environ.get(STATS_ENV, "auto")
-    if value not in ("auto", "host", "device"):
-        where = "stats" if stats is not None else f"${STATS_ENV}"
-        raise ValueError(f"{what}: expected {where} to be 'auto', 'host' or 'device', got {value!r}")
-    return value
-
-
-def single_row_message(layer: str) -> str:
-    return (f"{layer}: expected more than 1 value per channel when training across all ranks, got a "
-            f"global batch of 1 row")
-
-
-def check_global_count(layer: str, count: float, training: bool) -> None:
-    """Raise, on every rank alike, when training sees fewer than 2 rows in total."""
-    if training and count == 1:
-        raise ValueError(single_row_message(layer))
-
-
-def non_finite_message(layer: str) -> str:
-    return (f"{layer}: expected finite inputs (check_finite=True), got NaN or Inf in the input of at "
-            f"least one rank; running statistics are left unchanged")
-
-
-def check_finite(layer: str, finite: bool) -> None:
-    """With ``check_finite=True``: raise, on every rank alike, when the global statistics
-    are not finite (NaN or Inf in some rank's input)."""
-    if not finite:
-        raise ValueError(non_finite_message(layer))

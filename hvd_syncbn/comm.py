@@ -31,7 +31,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 
-from hvd_syncbn import backend
+from hvd_syncbn import layout
 
 log = logging.getLogger("hvd_syncbn")
 
@@ -310,7 +310,7 @@ def allreduce(comm: Communicator, payload: Any, call: Call, timeout: Optional[fl
 
 def poison(comm: Communicator, call: Call, problem: str, error: type = SyncBatchNormInputError,
            cause: Optional[BaseException] = None, join: Join = prepend) -> None:
-    """Join the forward collective this rank owes (:func:`hvd_syncbn.backend.moments_size`
+    """Join the forward collective this rank owes (:func:`hvd_syncbn.layout.forward_size`
     values) with a header no peer can match, so
     that every rank fails together and learns ``problem`` instead of waiting for it.
 
@@ -322,7 +322,7 @@ def poison(comm: Communicator, call: Call, problem: str, error: type = SyncBatch
     head, since = [-1.0, 1.0], time.monotonic()
     stuck = True
     try:
-        handle = comm.start(join(head, np.zeros(backend.moments_size(call.channels))), call.name)
+        handle = comm.start(join(head, np.zeros(layout.forward_size(call.channels))), call.name)
         stuck = not _wait(comm, handle, since + get_timeout())
         comm.result(handle)
     except Exception:  # noqa: BLE001 - the diagnosis below says what happened

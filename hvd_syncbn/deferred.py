@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Optional, Sequence, Tuple
 
-from hvd_syncbn import backend
+from hvd_syncbn import validation
 from hvd_syncbn.comm import Call, Communicator, SyncBatchNormError, fail
 
 FLAGS = ("mismatch", "single_row", "non_finite")
@@ -22,7 +22,7 @@ FLAGS = ("mismatch", "single_row", "non_finite")
 def messages(layer: str) -> Tuple[str, str, str]:
     """What each of :data:`FLAGS` means, for ``layer``."""
     return (f"{layer}: ranks summed different collectives (they disagree on the SyncBN layers, their order, "
-            f"channel count, input rank or dtype)", backend.single_row_message(layer), backend.non_finite_message(layer))
+            f"channel count, input rank or dtype)", validation.single_row_message(layer), validation.non_finite_message(layer))
 
 
 def raise_seen(path: str, seen: Sequence[Tuple[str, Sequence[bool]]],

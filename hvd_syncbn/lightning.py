@@ -13,7 +13,7 @@ except ImportError as e:
                       "pip install 'hvd_syncbn[lightning]'") from e
 from torch import nn
 
-from hvd_syncbn import backend
+from hvd_syncbn import validation
 from hvd_syncbn.torch import SyncBatchNorm, convert_sync_batchnorm, revert_sync_batchnorm
 from hvd_syncbn.torch.batchnorm import one_group
 from hvd_syncbn.torch.convert import _replace
@@ -59,7 +59,7 @@ class SyncBatchNormPlugin(LayerSync):
                  stats: Optional[str] = None, process_group: Any = None,
                  classes: Optional[Mapping[type, type]] = None) -> None:
         requested_kind(comm)  # bad arguments fail at the Trainer's construction, not in fit
-        backend.stats_choice("SyncBatchNormPlugin", stats)
+        validation.stats_choice("SyncBatchNormPlugin", stats)
         self.process_set = one_group("SyncBatchNormPlugin", process_set, process_group)
         self.layer_args = dict(comm=comm, check_finite=check_finite, stats=stats, classes=classes)
 

@@ -9,7 +9,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from hvd_syncbn import backend
+from hvd_syncbn import backend, validation
 from hvd_syncbn.comm import Communicator, make_call, poison
 from hvd_syncbn.tensorflow import transports, xla
 from hvd_syncbn.tensorflow.device import DeferredChecks, GraphReducer
@@ -94,13 +94,13 @@ class SyncBatchNormalization(keras.layers.BatchNormalization):
         axes = [axis] if isinstance(axis, int) else [int(a) for a in axis]
         if not axes:
             raise ValueError(f"SyncBatchNormalization: expected an axis or a non-empty list of axes, got {axis!r}")
-        backend.check_args("SyncBatchNormalization", float(epsilon), momentum, eps_name="epsilon")
+        validation.check_args("SyncBatchNormalization", float(epsilon), momentum, eps_name="epsilon")
         super().__init__(axes[0], momentum, epsilon, *args, **kwargs)
         self.axis = axis if isinstance(axis, int) else axes
         self.process_set = process_set
         self.comm = comm
         self.check_finite = bool(check_finite)
-        self.stats = backend.stats_choice("SyncBatchNormalization", stats)
+        self.stats = validation.stats_choice("SyncBatchNormalization", stats)
         transports.REGISTRY.requested(comm, "SyncBatchNormalization")
 
     @property
@@ -155,7 +155,7 @@ class SyncBatchNormalization(keras.layers.BatchNormalization):
                 raise ValueError(f"{self.name}: expected a {self._ndim}D input (as built), got {len(shape)}D input "
                                  f"of shape {shape}")
             for a, size in self._channels.items():
-                backend.check_input(self.name, shape, a, size, inputs.dtype.is_floating, inputs.dtype.name,
+                validation.check_input(self.name, shape, a, size, inputs.dtype.is_floating, inputs.dtype.name,
                                     "tf.cast(x, tf.float32)")
         except ValueError as e:
             return str(e)

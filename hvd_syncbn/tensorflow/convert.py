@@ -6,7 +6,7 @@ from typing import Any, Mapping, Optional
 
 import keras
 
-from hvd_syncbn import backend
+from hvd_syncbn import validation
 
 from . import transports
 from .batchnorm import SyncBatchNormalization
@@ -57,7 +57,7 @@ def convert_sync_batchnorm(model: keras.Model, process_set: Any = None, *,
             raise TypeError("convert_sync_batchnorm: expected classes to map BatchNormalization subclasses to "
                             f"SyncBatchNormalization subclasses, got {plain!r}: {sync!r}")
 
-    backend.stats_choice("convert_sync_batchnorm", stats)  # checked here too: a model may have no BN layer
+    validation.stats_choice("convert_sync_batchnorm", stats)  # checked here too: a model may have no BN layer
     transports.REGISTRY.requested(comm, "convert_sync_batchnorm")
 
     def clone(layer):

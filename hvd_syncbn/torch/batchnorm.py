@@ -17,7 +17,7 @@ from torch import Tensor, nn
 from torch.nn import init
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from hvd_syncbn import backend
+from hvd_syncbn import validation
 from hvd_syncbn.comm import Communicator
 from hvd_syncbn.torch import deferred, reducers, replicas, transports
 from hvd_syncbn.torch.device import Plan, plan as device_plan
@@ -198,7 +198,7 @@ class SyncBatchNorm(_BatchNorm):
         return self
 
     def _check_input_dim(self, input: Tensor) -> None:
-        backend.check_input(
+        validation.check_input(
             self.layer_name, input.shape, 1, self.num_features,
             input.is_floating_point() and not input.is_complex(), input.dtype, "x.float()",
         )
@@ -221,7 +221,7 @@ class SyncBatchNorm(_BatchNorm):
     def _reducer(self, x: Tensor, comm: Communicator) -> Any:
         """How this call's buffers are summed: a functional collective (``torch.distributed``)
         or the custom op (Horovod, MPI)."""
-        identity = Identity.of(self.layer_name, self.num_features, x)
+        identity = Identity.of(self.layer_name, self.num_features, x, kernels_for(x.device).name)
         return GroupReducer(comm, identity) if comm.traceable else OpReducer(comm, identity, x.device)
 
     def _replicate_for_data_parallel(self) -> "SyncBatchNorm":
@@ -305,9 +305,9 @@ class SyncBatchNorm(_BatchNorm):
         if any(flags[:heads]):
             plan.reduce.diagnose("ranks summed different collectives")
         if not flags[heads]:
-            raise ValueError(backend.single_row_message(self.layer_name))
+            raise ValueError(validation.single_row_message(self.layer_name))
         if self.check_finite:
-            backend.check_finite(self.layer_name, not flags[-1])
+            validation.check_finite(self.layer_name, not flags[-1])
 
     def _running_update(self, mean: Tensor, var: Tensor, updated: Tensor) -> None:
         """Count the batch and move the running statistics toward ``mean`` and the unbiased
@@ -327,9 +327,9 @@ class SyncBatchNorm(_BatchNorm):
         rows = _rows(input) if self.training else None
         if rows is not None and (self.check_finite or rows < 2):
             self._check_input_dim(input)
-            backend.check_global_count(self.layer_name, rows, training=True)
+            validation.check_global_count(self.layer_name, rows, training=True)
             if self.check_finite:
-                backend.check_finite(self.layer_name, bool(torch.isfinite(input).all()))
+                validation.check_finite(self.layer_name, bool(torch.isfinite(input).all()))
             if rows == 0:
                 return F.batch_norm(input, None, None, self.weight, self.bias, True, 0.0, self.eps)
         return super().forward(input)  # plain BN: the native fast path; it checks the input
@@ -360,9 +360,9 @@ def _rows(x: Tensor) -> int:
 def stats_choice(stats: Optional[str]) -> str:
     """The layer's ``stats`` (else ``$HVD_SYNCBN_STATS``, else ``"auto"``), checked; ``"host"``
     warns that it is deprecated, saying what it now does."""
-    value = backend.stats_choice("SyncBatchNorm", stats)
+    value = validation.stats_choice("SyncBatchNorm", stats)
     if value == "host":
-        where = "stats='host'" if stats is not None else f"${backend.STATS_ENV}=host"
+        where = "stats='host'" if stats is not None else f"${validation.STATS_ENV}=host"
         warnings.warn(f"SyncBatchNorm: {where} is deprecated and will be removed: the statistics are computed on the "
                       f"input's device on every path now, and 'host' only keeps the checks at the step on every "
                       f"device (a host read per step, a sync on a GPU); use 'auto' (checks at the step for CPU "
@@ -382,4 +382,4 @@ def one_group(where: str, process_set: Any, process_group: Any) -> Any:
 def _check_args(num_features: Any, eps: Any, momentum: Any) -> None:
     if not isinstance(num_features, int) or num_features <= 0:
         raise ValueError(f"SyncBatchNorm: expected num_features to be a positive int, got {num_features!r}")
-    backend.check_args("SyncBatchNorm", eps, momentum, momentum_none=True)
+    validation.check_args("SyncBatchNorm", eps, momentum, momentum_none=True)

@@ -15,7 +15,7 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.lazy import LazyModuleMixin
 
-from hvd_syncbn import backend
+from hvd_syncbn import validation
 from hvd_syncbn.transports import requested_kind
 
 from .batchnorm import SyncBatchNorm, one_group
@@ -120,7 +120,7 @@ def convert_sync_batchnorm(module: nn.Module, process_set: Any = None, *,
     """
     process_set = one_group("convert_sync_batchnorm", process_set, process_group)
     requested_kind(comm)  # a bad comm or stats fails here, not at the first synchronized step
-    backend.stats_choice("convert_sync_batchnorm", stats)
+    validation.stats_choice("convert_sync_batchnorm", stats)
     classes = dict(classes or {})
     for plain, sync in classes.items():
         if not (isinstance(plain, type) and issubclass(plain, _BatchNorm)

@@ -8,21 +8,20 @@ header, its expected sum and the other constants are made once, by fills, and re
 The passes over the data come from a kernel set (:mod:`hvd_syncbn.torch.kernels`); the
 rest (the buffers, their header, the count, the flags) is written once around them.
 
-The forward's buffer, float64, one per layer and step::
+The buffers are :mod:`hvd_syncbn.layout`'s, one per layer, step and direction::
 
-    [header (H) | −n | −n·mean | −n·(var + mean²)]      summed over the ranks
+    forward   [header (H) | −n | −n·mean | −n·(var + mean²)]      summed over the ranks
+    backward  [header (H) | Σdy | Σdy·(x − mean)·s]
 
-- the header (``H = 2``, :func:`hvd_syncbn.comm.header`) where the step checks it
+- the header (``H = 2``) where the step checks it
   (:class:`~hvd_syncbn.torch.reducers.GroupReducer`); ``H = 0`` where the transport's
   call checks it on the host (:class:`~hvd_syncbn.torch.reducers.OpReducer`).
-- the negative count makes ``sum / count`` the global moments without a negation; it is
-  NaN after a header mismatch, which makes the output NaN and leaves the running
-  statistics alone. An empty global batch (``N = 0``) gives NaN statistics that nothing
-  reads (with ``check_finite`` the count is clamped at ``−1``: zeros).
-
-The backward's buffer is ``[header (H) | Σdy | Σdy·(x − mean)·s]`` (``s`` the composite
-set's ``invstd``, the native set's 1); each set turns the global sums divided by ``−N``
-into ``dx``. Flags (header mismatch per header value, a global batch of one row, the
+- the summed count is made NaN after a header mismatch, which makes the output NaN and
+  leaves the running statistics alone. An empty global batch (``N = 0``) gives NaN
+  statistics that nothing reads (with ``check_finite`` the count is clamped at ``−1``:
+  zeros).
+- ``s`` is the composite set's ``invstd``, the native set's 1; each set turns the global
+  sums divided by ``−N`` into ``dx``. Flags (header mismatch per header value, a global batch of one row, the
 step, non-finite statistics with ``check_finite``) go to :mod:`hvd_syncbn.torch.deferred`
 or raise at the step.
 """
@@ -34,6 +33,7 @@ from typing import Any, NamedTuple, Optional, Tuple
 import torch
 from torch import Tensor
 
+from hvd_syncbn import layout
 from hvd_syncbn.torch import deferred
 from hvd_syncbn.torch.kernels import NAN, Composite, cached, cast, constant
 
@@ -112,7 +112,7 @@ def global_stats(out: Tensor, fwd: Lanes, plan: Plan) -> Tuple[Tensor, Tensor, T
         count = torch.where(flags[:heads].any(), fwd.nan, count)
     if plan.check_finite:  # an empty global batch: zero statistics, which check_finite sees as finite
         count = count.clamp_max(-1.0)
-    channels = (out.numel() - heads - 1) // 2
+    channels = layout.channels_of(out.numel(), heads, "fwd")
     moments = out.as_strided((2, channels), (channels, 1), out.storage_offset() + heads + 1) / count  # [mean, E[x²]]
     mean, square = moments[0], moments[1]
     square.addcmul_(mean, mean, value=-1.0).clamp_min_(0.0)  # biased var
@@ -134,7 +134,7 @@ def global_means(out: Tensor, bwd: Lanes, count: Tensor, acc: torch.dtype) -> Te
     by the forward's ``count`` (``−N``), as ``(2, C)`` in ``acc``; a row is NaN where its
     header value is not ``bwd.expected``. Three ops (ne, where, addcdiv_)."""
     device, heads = out.device, len(bwd.expected)
-    channels = (out.numel() - heads) // 2
+    channels = layout.channels_of(out.numel(), heads, "bwd")
     zeros = cached(("zeros", channels, acc, device), lambda: torch.zeros(2, channels, dtype=acc, device=device))
     if heads:
         mismatch = torch.ne(out[:heads], bwd.expected_t).view(-1, 1)

@@ -32,6 +32,7 @@ from hvd_syncbn.comm import (
     TIMEOUT_ENV, Call, Communicator, Join, SyncBatchNormInputError, allreduce, collective_timeout, fail,
     make_call, poison, prepend, static_header,
 )
+from hvd_syncbn.layout import grad_lane
 
 def _header(layer: str, direction: str, channels: int, ndim: int, dtype: str, world: int) -> Tuple[float, ...]:
     return tuple(static_header(layer, direction, channels, ndim, dtype, world))
@@ -50,8 +51,13 @@ class Identity(NamedTuple):
     dtype: str
 
     @classmethod
-    def of(cls, layer: str, channels: int, x: Tensor) -> "Identity":
-        return cls(layer, channels, x.dim(), str(x.dtype).replace("torch.", ""))
+    def of(cls, layer: str, channels: int, x: Tensor, kernels: str = "composite") -> "Identity":
+        """``x``'s; under a ``kernels`` set whose backward lane differs
+        (:func:`hvd_syncbn.layout.grad_lane`) the dtype says so, so that ranks summing
+        different lanes fail as a mismatch."""
+        lane = grad_lane(kernels)
+        dtype = str(x.dtype).replace("torch.", "")
+        return cls(layer, channels, x.dim(), f"{dtype}, backward lane {lane}" if lane else dtype)
 
     def call(self, comm: Communicator, direction: str) -> Call:
         """This rank's next collective in ``direction`` over ``comm`` (it counts the step)."""
