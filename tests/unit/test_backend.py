@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from conftest import results, run, world
-from hvd_syncbn import backend, comm
+from hvd_syncbn import backend, comm, validation
 from oracle import EMPTY, UNEQUAL, assert_close, global_batch, shard_sizes, shard_slice
 
 
@@ -156,14 +156,14 @@ def test_collective_names_say_which_layer_and_direction():
 )
 def test_check_input_messages(shape, floating, match):
     with pytest.raises(ValueError, match=match):
-        backend.check_input("bn7", shape, 1, 8, floating, "int32", "x.float()")
-    backend.check_input("bn7", (None, 8, 5), 1, 8, True, "float32", "x.float()")  # unknown batch is fine
+        validation.check_input("bn7", shape, 1, 8, floating, "int32", "x.float()")
+    validation.check_input("bn7", (None, 8, 5), 1, 8, True, "float32", "x.float()")  # unknown batch is fine
 
 
 def test_single_global_row_raises_when_training():
     with pytest.raises(ValueError, match="bn: expected more than 1 value per channel"):
-        backend.check_global_count("bn", 1.0, training=True)
-    backend.check_global_count("bn", 1.0, training=False)
+        validation.check_global_count("bn", 1.0, training=True)
+    validation.check_global_count("bn", 1.0, training=False)
 
 
 def test_import_loads_no_framework():
