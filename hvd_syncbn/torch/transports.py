@@ -82,6 +82,20 @@ class TorchDistComm(Communicator):
         self.group = own_group(dist.get_process_group_ranks(users))
         self.seconds = collective_timeout(True)
         self._side: Communicator = StoreRows(self.rank, self.size, self.group.group_name)
+        atexit.register(self._close)
+
+    def _close(self) -> None:
+        """At exit, while Python still runs: destroy the group (if the script has not) and
+        drop it, which joins Gloo's worker threads. Left to the interpreter's teardown, a
+        worker that frees the last collective's Python objects aborts the process
+        (``terminate called without an active exception``, signal 6, in some runs of a
+        2-rank torchrun job on a 2-core CPU, with or without ``destroy_process_group()``)."""
+        if self.group is not None:
+            try:
+                dist.destroy_process_group(self.group)
+            except (ValueError, RuntimeError, AssertionError):  # destroyed already, with the default group
+                pass
+            self.group = None
 
     def bound(self, first: bool) -> None:
         """Set the group's timeout for its next collective
@@ -176,10 +190,7 @@ class PrivateGroupComm(TorchDistComm):
         atexit.register(self._close)
 
     def _close(self) -> None:
-        """At exit, while Python still runs: destroy the group, joining Gloo's worker threads.
-        Left to the interpreter's teardown, a worker that frees the last collective's Python
-        objects then aborts the process (``terminate called without an active exception``,
-        signal 6: 1 in 4 runs of a 2-rank job on this 2-core machine under load)."""
+        """At exit: as :meth:`TorchDistComm._close`, for a group not in torch's tables."""
         if self.group is not None:
             private_group.release(self.group)
             self.group = self._store = None
