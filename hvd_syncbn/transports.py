@@ -24,7 +24,8 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import numpy as np
 
 from hvd_syncbn import launchers
-from hvd_syncbn.comm import Communicator, env_flag
+from hvd_syncbn.communicator import Communicator
+from hvd_syncbn.settings import env_flag
 
 log = logging.getLogger("hvd_syncbn")
 
@@ -318,7 +319,7 @@ class MpiCommunicator(Communicator):
 
     def end_gather(self, handle):
         """Cancels the receives still pending (a cancelled receive completes at once); the
-        sends stay with the handle, which :func:`hvd_syncbn.comm._wait` keeps alive."""
+        sends stay with the handle, which :func:`hvd_syncbn.stuck.wait_or_keep` keeps alive."""
         if self._mpi.Is_finalized():
             return
         for req in handle.receives.values():

@@ -10,7 +10,9 @@ import numpy as np
 import tensorflow as tf
 
 from hvd_syncbn import backend, validation
-from hvd_syncbn.comm import Communicator, make_call, poison
+from hvd_syncbn.comm import poison
+from hvd_syncbn.communicator import Communicator
+from hvd_syncbn.identity import make_call
 from hvd_syncbn.tensorflow import transports, xla
 from hvd_syncbn.tensorflow.device import DeferredChecks, GraphReducer
 from hvd_syncbn.tensorflow.functional import (

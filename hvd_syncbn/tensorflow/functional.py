@@ -16,7 +16,9 @@ import numpy as np
 import tensorflow as tf
 
 from hvd_syncbn import backend
-from hvd_syncbn.comm import Communicator, allreduce, make_call
+from hvd_syncbn.comm import allreduce
+from hvd_syncbn.communicator import Communicator
+from hvd_syncbn.identity import make_call
 from hvd_syncbn.tensorflow import transports
 
 

@@ -1,4 +1,4 @@
-"""The TensorFlow transports of :mod:`hvd_syncbn.comm`: MPI (mpi4py) and Horovod, in :data:`REGISTRY`.
+"""The TensorFlow transports of :mod:`hvd_syncbn.communicator`: MPI (mpi4py) and Horovod, in :data:`REGISTRY`.
 
 Buffers cross into Python through ``tf.numpy_function``, so both transports get the same
 deadline, identity check and diagnosis as in PyTorch. Chosen by :func:`resolve`.
@@ -14,7 +14,7 @@ from typing import Any, Optional
 import numpy as np
 import tensorflow as tf
 
-from hvd_syncbn.comm import Communicator
+from hvd_syncbn.communicator import Communicator
 from hvd_syncbn.transports import HorovodTransport, MpiTransport, Registry, Request, not_a_member, rendezvous_rows
 
 try:

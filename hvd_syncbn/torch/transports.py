@@ -1,4 +1,4 @@
-"""The PyTorch transports of :mod:`hvd_syncbn.comm`: ``torch.distributed``, MPI (mpi4py)
+"""The PyTorch transports of :mod:`hvd_syncbn.communicator`: ``torch.distributed``, MPI (mpi4py)
 and Horovod, registered in that order (``auto``'s) in :data:`REGISTRY`.
 
 Chosen per layer call by :func:`resolve`.
@@ -15,7 +15,8 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from hvd_syncbn.comm import Communicator, LocalCommunicator, collective_timeout
+from hvd_syncbn.communicator import Communicator, LocalCommunicator
+from hvd_syncbn.settings import collective_timeout
 from hvd_syncbn.transports import (
     COMM_ENV, HorovodTransport, KeyValueRows, MpiTransport, Registry, Request, Transport, not_a_member,
     rendezvous_rows,
@@ -99,7 +100,7 @@ class TorchDistComm(Communicator):
 
     def bound(self, first: bool) -> None:
         """Set the group's timeout for its next collective
-        (:func:`~hvd_syncbn.comm.collective_timeout`); a call only when it changes."""
+        (:func:`~hvd_syncbn.settings.collective_timeout`); a call only when it changes."""
         seconds = collective_timeout(first)
         if seconds != self.seconds:
             try:
@@ -130,7 +131,7 @@ GROUP_DESC = "hvd_syncbn SyncBatchNorm statistics"
 
 def own_group(ranks: list) -> dist.ProcessGroup:
     """A group of ``ranks`` for SyncBN's collectives alone, with SyncBN's first timeout
-    (:func:`~hvd_syncbn.comm.collective_timeout`); only ``ranks`` take part in making it (every
+    (:func:`~hvd_syncbn.settings.collective_timeout`); only ``ranks`` take part in making it (every
     one of them, in the same order of first SyncBN calls). Costs: one more group of the
     same backend (Gloo: a connection to each peer and a worker thread; NCCL: a
     communicator and its buffers on the GPU, set up at the first collective)."""
