@@ -201,10 +201,10 @@ if COMM == "mpi":
         assert "mpi_built_with_cuda_support:value:" in info.stdout
         import ctypes
 
-        from hvd_syncbn import transports
+        from hvd_syncbn import mpi
 
         assert hasattr(ctypes.CDLL(MPI.__file__), "MPIX_Query_cuda_support")  # so the answer is Open MPI's
-        assert transports.mpi_reads_cuda() is built
+        assert mpi.mpi_reads_cuda() is built
         assert SyncBatchNorm(4, name="cuda.bn")._comm().device_buffers is built
 
 

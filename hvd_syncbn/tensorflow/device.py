@@ -26,7 +26,7 @@ from hvd_syncbn.identity import HEADER, Call, make_call, static_header
 from hvd_syncbn.settings import get_timeout
 from hvd_syncbn.deferred import FLAGS, raise_seen
 from hvd_syncbn.tensorflow import transports, xla
-from hvd_syncbn.transports import MpiCommunicator
+from hvd_syncbn.mpi import MpiCommunicator
 
 
 class DeferredChecks:

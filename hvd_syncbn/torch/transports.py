@@ -17,10 +17,9 @@ import torch.distributed as dist
 
 from hvd_syncbn.communicator import Communicator, LocalCommunicator
 from hvd_syncbn.settings import collective_timeout
+from hvd_syncbn.store_rows import KeyValueRows, rendezvous_rows
 from hvd_syncbn.transports import (
-    COMM_ENV, HorovodTransport, KeyValueRows, MpiTransport, Registry, Request, Transport, not_a_member,
-    rendezvous_rows,
-    requested_kind,
+    COMM_ENV, HorovodTransport, MpiTransport, Registry, Request, Transport, not_a_member, requested_kind,
 )
 from hvd_syncbn.torch import private_group
 
@@ -46,7 +45,7 @@ class HorovodComm(Communicator):
 
     def side(self):
         """Under ``horovodrun`` (Gloo), its rendezvous store, row by row
-        (:class:`~hvd_syncbn.transports.RendezvousRows`); else Horovod, one collective."""
+        (:class:`~hvd_syncbn.store_rows.RendezvousRows`); else Horovod, one collective."""
         return self._side
 
     def start(self, buf, name):
@@ -143,7 +142,7 @@ def own_group(ranks: list) -> dist.ProcessGroup:
 
 
 class StoreRows(KeyValueRows):
-    """:class:`~hvd_syncbn.transports.KeyValueRows` through the default group's store (a
+    """:class:`~hvd_syncbn.store_rows.KeyValueRows` through the default group's store (a
     ``TCPStore``: torchrun's agent's, which outlives the ranks, or rank 0's), over a
     connection of its own that waits :data:`REQUEST_S` at most (the store's host may be
     the stopped rank), made at the first diagnosis."""

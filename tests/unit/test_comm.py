@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from conftest import collective_timeout, run, world
-from hvd_syncbn import comm, communicator, diagnosis, identity, settings, stuck, transports
+from hvd_syncbn import comm, communicator, diagnosis, identity, mpi, settings, store_rows, stuck, transports
 
 
 def call(layer: str, step: int = 0, channels: int = 2, dtype: str = "float32", rank: int = 0) -> identity.Call:
@@ -254,11 +254,11 @@ def test_the_mpi_cuda_setting_overrides_the_library_and_is_validated(monkeypatch
     """What the library reports is tested under mpirun (ranks_compile.py)."""
     for raw, aware in (("1", True), ("0", False)):
         monkeypatch.setenv("HVD_SYNCBN_MPI_CUDA", raw)
-        assert transports.mpi_reads_cuda() is aware
+        assert mpi.mpi_reads_cuda() is aware
     monkeypatch.setenv("HVD_SYNCBN_MPI_CUDA", "yes")
     with pytest.raises(ValueError, match=r"HVD_SYNCBN_MPI_CUDA: expected 0 \(MPI reads host memory only: .*\) "
                                          r"or 1 \(MPI is CUDA-aware: .*\), got 'yes'"):
-        transports.mpi_reads_cuda()
+        mpi.mpi_reads_cuda()
 
 
 def test_make_call_counts_steps_per_communicator_and_direction():
@@ -408,7 +408,7 @@ def test_a_long_wait_backs_off_and_yields_the_cpu(monkeypatch):
 
 
 class FakeMpi:
-    """What :class:`~hvd_syncbn.transports.MpiCommunicator` asks of mpi4py, with a switch
+    """What :class:`~hvd_syncbn.mpi.MpiCommunicator` asks of mpi4py, with a switch
     for ``MPI_Finalize`` (as Horovod's thread calls it when a peer shuts Horovod down);
     any request polled after it fails the test, as Open MPI aborts the job."""
 
@@ -450,15 +450,15 @@ def test_a_wait_whose_mpi_is_finalized_under_it_raises_without_calling_mpi(monke
     diagnosis and the abort at exit stop calling MPI, and the rank raises, saying so."""
     monkeypatch.setattr(stuck, "_aborted", [])
     monkeypatch.setattr(stuck.atexit, "register", lambda fn: None)
-    mpi = FakeMpi()
-    c = transports.MpiCommunicator.__new__(transports.MpiCommunicator)
-    c._mpi, c.comm, c.rank, c.size, c._rounds, c._side = mpi, mpi, 0, 2, 0, c
-    threading.Timer(0.2, lambda: setattr(mpi, "finalized", True)).start()
+    fake = FakeMpi()
+    c = mpi.MpiCommunicator.__new__(mpi.MpiCommunicator)
+    c._mpi, c.comm, c.rank, c.size, c._rounds, c._side = fake, fake, 0, 2, 0, c
+    threading.Timer(0.2, lambda: setattr(fake, "finalized", True)).start()
     with pytest.raises(comm.SyncBatchNormError, match="RuntimeError: MPI was finalized while this rank waited"):
         reduce(c, "bn", [1.0])
     assert stuck._aborted == [(c, 0.0)]
     stuck._abort_at_exit()
-    assert mpi.after == [], f"called after MPI_Finalize: {mpi.after}"
+    assert fake.after == [], f"called after MPI_Finalize: {fake.after}"
 
 
 def test_under_mpirun_with_a_keepalive_a_silent_rank_delays_the_abort_until_a_lost_node_is_noticed(monkeypatch):
@@ -512,7 +512,7 @@ def rendezvous(monkeypatch):
 
 def over_the_store(comms: list, group: int = 0) -> list:
     for c in comms:
-        c.side_comm = transports.rendezvous_rows(c.rank, c.size, group)
+        c.side_comm = store_rows.rendezvous_rows(c.rank, c.size, group)
     return comms
 
 
