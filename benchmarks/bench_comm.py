@@ -91,7 +91,7 @@ class Waits:
 
 
 def comms(comm_module, world, rank, waits):
-    from hvd_syncbn.transports import MpiCommunicator
+    from hvd_syncbn.mpi import MpiCommunicator
 
     return {"local": comm_module.LocalCommunicator(world, rank), "mpi": waits.timed(MpiCommunicator)(),
             "horovod": "horovod"}

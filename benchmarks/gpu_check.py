@@ -627,10 +627,10 @@ def under_mpirun(device, until: float) -> None:
 
 
 def _mpi_reads_cuda(mpirun: str, until: float) -> bool:
-    """What ``transports.mpi_reads_cuda`` says under mpirun (no answer in time: no)."""
+    """What ``mpi.mpi_reads_cuda`` says under mpirun (no answer in time: no)."""
     try:
-        return _under_mpirun(mpirun, "-c", "from hvd_syncbn import transports; "
-                             "assert transports.mpi_reads_cuda()",
+        return _under_mpirun(mpirun, "-c", "from hvd_syncbn import mpi; "
+                             "assert mpi.mpi_reads_cuda()",
                              timeout=min(60.0, until - time.time())).returncode == 0
     except subprocess.TimeoutExpired:
         return False
@@ -644,7 +644,7 @@ def private_group_alone(device) -> None:
         row("private group, 1 rank", "over MPI", "skipped: no mpi4py here")
         return
     from hvd_syncbn.torch.transports import private_comm
-    from hvd_syncbn.transports import MpiCommunicator
+    from hvd_syncbn.mpi import MpiCommunicator
 
     setting = f"over MPI ({'NCCL' if device.type == 'cuda' else 'Gloo'}), {device.type} tensors"
     with tempfile.TemporaryDirectory() as tmp:

@@ -13,7 +13,10 @@ from __future__ import annotations
 from typing import Optional, Sequence, Tuple
 
 from hvd_syncbn import validation
-from hvd_syncbn.comm import Call, Communicator, SyncBatchNormError, fail
+from hvd_syncbn.communicator import Communicator
+from hvd_syncbn.diagnosis import fail
+from hvd_syncbn.errors import SyncBatchNormError
+from hvd_syncbn.identity import Call
 
 FLAGS = ("mismatch", "single_row", "non_finite")
 """A layer's flags, in order."""
@@ -33,7 +36,7 @@ def raise_seen(path: str, seen: Sequence[Tuple[str, Sequence[bool]]],
     ``mismatched``: the communicator and collective of this rank's first layer that
     flagged a mismatch. A mismatched sum flags every rank in it, so each rank's check
     meets the others over the communicator's side channel (as the host path's
-    diagnosis does, :func:`hvd_syncbn.comm.fail`), and the error names the layer of
+    diagnosis does, :func:`hvd_syncbn.diagnosis.fail`), and the error names the layer of
     every rank, not only this one's.
 
     Raises:

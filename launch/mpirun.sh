@@ -26,7 +26,7 @@
 #   125 s), i.e. about 2 T + 5 s. 6 x I >= 2 T, so every rank that can still reach mpirun
 #   has printed its SyncBN error first (within 1.5 T). Open MPI's own keepalive is 300 +
 #   20 x 9 s, and mpirun never notices a lost node once a rank has aborted
-#   (hvd_syncbn/comm.py, _abort_at_exit, says why and how the ranks wait for it).
+#   (hvd_syncbn/stuck.py, _abort_at_exit, says why and how the ranks wait for it).
 # - Your own `-mca pml X` / `-mca btl X` / `-mca mpi_yield_when_idle X` /
 #   `-mca oob_tcp_keepalive_* X` (or --mca) replace the defaults above.
 # - The repo's virtual environment ($HVD_SYNCBN_VENV, default .venv/) goes first on PATH.

@@ -19,7 +19,7 @@ from typing import Callable, List, Optional
 import numpy as np
 import pytest
 
-from hvd_syncbn import comm
+from hvd_syncbn import comm, settings
 
 
 MARKERS = {
@@ -157,11 +157,11 @@ def results(out: list) -> list:
 @contextlib.contextmanager
 def collective_timeout(seconds: float):
     """SyncBN's collective timeout set to ``seconds`` inside the block, then unset."""
-    comm.set_timeout(seconds)
+    settings.set_timeout(seconds)
     try:
         yield
     finally:
-        comm._timeout = None
+        settings._timeout = None
 
 
 def tensorflow():

@@ -26,7 +26,7 @@ from mpi4py import MPI
 from torch import nn
 
 import torch.distributed as dist
-from hvd_syncbn import comm as transport
+from hvd_syncbn import settings
 from hvd_syncbn.torch import SyncBatchNorm, convert_sync_batchnorm
 from hvd_syncbn.torch import transports as torch_transports
 import cuda_kernels
@@ -180,14 +180,14 @@ def a_peer_still_compiling_does_not_trip_the_timeout():
     for: the first collective of each layer gets HVD_SYNCBN_COMPILE_TIMEOUT more."""
     model = convert_sync_batchnorm(nn.Sequential(OrderedDict(fresh=net())))  # layers "fresh.1", "fresh.4"
     step = torch.compile(model, fullgraph=True, backend="aot_eager")
-    transport.set_timeout(1.0)
+    settings.set_timeout(1.0)
     try:
         if RANK == 0:
             time.sleep(3.0)
         out = step(torch.randn(shard_sizes(PATTERN, WORLD)[RANK], 3, 6, 6))
         out.sum().backward()
     finally:
-        transport._timeout = None
+        settings._timeout = None
     assert np.isfinite(out.detach().numpy()).all()
 
 
@@ -201,10 +201,10 @@ if COMM == "mpi":
         assert "mpi_built_with_cuda_support:value:" in info.stdout
         import ctypes
 
-        from hvd_syncbn import transports
+        from hvd_syncbn import mpi
 
         assert hasattr(ctypes.CDLL(MPI.__file__), "MPIX_Query_cuda_support")  # so the answer is Open MPI's
-        assert transports.mpi_reads_cuda() is built
+        assert mpi.mpi_reads_cuda() is built
         assert SyncBatchNorm(4, name="cuda.bn")._comm().device_buffers is built
 
 

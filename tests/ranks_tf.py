@@ -22,7 +22,7 @@ import tensorflow as tf  # noqa: E402
 
 from hvd_syncbn import launchers  # noqa: E402
 from hvd_syncbn.comm import SyncBatchNormError  # noqa: E402
-from hvd_syncbn.transports import MpiCommunicator  # noqa: E402
+from hvd_syncbn.mpi import MpiCommunicator  # noqa: E402
 from hvd_syncbn.tensorflow import (  # noqa: E402
     BroadcastGlobalVariablesCallback, CheckSyncBatchNorm, DistributedOptimizer, MetricAverageCallback,
     SyncBatchNormalization, check, convert_sync_batchnorm, sync_batch_normalization, xla,
@@ -693,9 +693,9 @@ def test_nan_input_follows_keras_or_raises_with_check_finite():
 
 def test_transport_follows_the_documented_rule():
     """$HVD_SYNCBN_COMM if set, else MPI under mpirun, else Horovod; none when alone."""
-    from hvd_syncbn import transports
+    from hvd_syncbn import mpi
     from hvd_syncbn.tensorflow import transports as tf_transports
 
-    want = os.environ.get("HVD_SYNCBN_COMM") or ("mpi" if transports.launched_by_mpirun() else "horovod")
+    want = os.environ.get("HVD_SYNCBN_COMM") or ("mpi" if mpi.launched_by_mpirun() else "horovod")
     chosen = tf_transports.resolve(None, None, "rule_bn")
     assert (chosen is None) == (WORLD == 1) and (chosen is None or chosen.kind == want), (chosen, want)

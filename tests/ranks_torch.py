@@ -333,9 +333,9 @@ def test_nan_input_follows_plain_bn_or_raises_with_check_finite():
 
 def test_transport_follows_the_documented_rule():
     """$HVD_SYNCBN_COMM if set, else MPI under mpirun, else Horovod; none when alone."""
-    from hvd_syncbn import transports
+    from hvd_syncbn import mpi
 
-    want = os.environ.get("HVD_SYNCBN_COMM") or ("mpi" if transports.launched_by_mpirun() else "horovod")
+    want = os.environ.get("HVD_SYNCBN_COMM") or ("mpi" if mpi.launched_by_mpirun() else "horovod")
     chosen = SyncBatchNorm(4, name="rule.bn")._comm()
     assert (chosen is None) == (WORLD == 1) and (chosen is None or chosen.kind == want), (chosen, want)
 

@@ -21,7 +21,7 @@ from launching import BIN, clean_env
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 DOCS = sorted((ROOT / "docs").glob("*.md"))
-# Public methods still without a docstring: hvd_syncbn/comm.py is being rewritten. Add the
+# Public methods still without a docstring: hvd_syncbn/communicator.py is being rewritten. Add the
 # docstring there and remove the name here (the test fails once one has its docstring).
 KNOWN_MISSING = {"hvd_syncbn.comm.Communicator.done"}
 

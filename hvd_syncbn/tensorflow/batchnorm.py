@@ -10,12 +10,13 @@ import numpy as np
 import tensorflow as tf
 
 from hvd_syncbn import backend, validation
-from hvd_syncbn.comm import Communicator, make_call, poison
+from hvd_syncbn.comm import poison
+from hvd_syncbn.communicator import Communicator
+from hvd_syncbn.identity import make_call
 from hvd_syncbn.tensorflow import transports, xla
 from hvd_syncbn.tensorflow.device import DeferredChecks, GraphReducer
-from hvd_syncbn.tensorflow.functional import (
-    GraphChecks, _ops, _per_channel, _scale_shift, _split_axes, _sync_normalize, channel_count, host_reduce,
-)
+from hvd_syncbn.tensorflow.functional import GraphChecks, _split_axes, _sync_normalize, channel_count, host_reduce
+from hvd_syncbn.tensorflow.kernels import TF_OPS, per_channel, scale_shift
 
 
 @keras.saving.register_keras_serializable(package="hvd_syncbn")
@@ -207,8 +208,8 @@ class SyncBatchNormalization(keras.layers.BatchNormalization):
                 self._update_moving(mean, var, updated)
         else:  # multi-axis inference
             mean, var = (tf.cast(v, x.dtype) for v in (self.moving_mean, self.moving_variance))
-            xhat = (x - _per_channel(mean, x, axes)) * _per_channel(tf.math.rsqrt(var + self.epsilon), x, axes)
-            y = _scale_shift(xhat, gamma, beta, axes)
+            xhat = (x - per_channel(mean, x, axes)) * per_channel(tf.math.rsqrt(var + self.epsilon), x, axes)
+            y = scale_shift(xhat, gamma, beta, axes)
         return tf.cast(y, self.compute_dtype)
 
     def _reduce_and_checks(self, x: tf.Tensor):
@@ -258,11 +259,11 @@ class SyncBatchNormalization(keras.layers.BatchNormalization):
             news = [tf.cast(new if new.shape == moving.shape else tf.reshape(new, moving.shape), moving.dtype)
                     for moving, new, m in updates if m == momentum]
             weight = tf.constant(momentum, olds[0].dtype)
-            for moving, value in zip(olds, backend.running_update(_ops, olds, news, weight, some)):
+            for moving, value in zip(olds, backend.running_update(TF_OPS, olds, news, weight, some)):
                 moving.assign(value)
         if self.renorm:  # Keras derives the variance from the standard deviation
             derived = tf.nn.relu(tf.square(self.moving_stddev) - self.epsilon)
-            self.moving_variance.assign(backend.running_update(_ops, [self.moving_variance], [derived],
+            self.moving_variance.assign(backend.running_update(TF_OPS, [self.moving_variance], [derived],
                                                                    tf.constant(0.0, derived.dtype), some)[0])
 
     def get_config(self):

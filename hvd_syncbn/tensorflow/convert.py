@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Optional
+from typing import Any, Callable, Dict, Mapping, Optional
 
 import keras
 
@@ -49,16 +49,39 @@ def convert_sync_batchnorm(model: keras.Model, process_set: Any = None, *,
                 f"{type(model).__name__}")
     if not isinstance(model, keras.Model):
         raise ValueError(expected)
+    known = _known_classes(classes)
+    validation.stats_choice("convert_sync_batchnorm", stats)  # checked here too: a model may have no BN layer
+    transports.REGISTRY.requested(comm, "convert_sync_batchnorm")
+    settings = {"process_set": process_set, "comm": comm, "check_finite": check_finite, "stats": stats}
+    try:
+        new = keras.models.clone_model(model, clone_function=_cloner(known, settings), recursive=True)
+    except _UnknownSubclass:
+        raise
+    except ValueError as e:  # subclassed models cannot be cloned
+        raise ValueError(f"{expected}; build a subclassed model's BN layers as "
+                         f"SyncBatchNormalization instead ({e})") from e
+    new.set_weights(model.get_weights())
+    return new
 
+
+def _known_classes(classes: Optional[Mapping[type, type]]) -> Dict[type, type]:
+    """``{BatchNormalization class: its synchronized class}``: Keras's own, and ``classes``
+    (checked: ``TypeError`` unless each maps a BatchNormalization subclass to a
+    SyncBatchNormalization subclass)."""
     known = {keras.layers.BatchNormalization: SyncBatchNormalization, **(classes or {})}
     for plain, sync in known.items():
         if not (isinstance(plain, type) and issubclass(plain, keras.layers.BatchNormalization)
                 and isinstance(sync, type) and issubclass(sync, SyncBatchNormalization)):
             raise TypeError("convert_sync_batchnorm: expected classes to map BatchNormalization subclasses to "
                             f"SyncBatchNormalization subclasses, got {plain!r}: {sync!r}")
+    return known
 
-    validation.stats_choice("convert_sync_batchnorm", stats)  # checked here too: a model may have no BN layer
-    transports.REGISTRY.requested(comm, "convert_sync_batchnorm")
+
+def _cloner(known: Dict[type, type], settings: Dict[str, Any]) -> Callable[[Any], Any]:
+    """``clone_model``'s ``clone_function``: a BatchNormalization layer as its class in
+    ``known``, made ``from_config`` of its config with ``settings`` (``_UnknownSubclass``
+    for a subclass not in ``known``); any other layer (SyncBatchNormalization's too) as
+    a fresh copy of itself."""
 
     def clone(layer):
         config = layer.get_config()
@@ -71,16 +94,7 @@ def convert_sync_batchnorm(model: keras.Model, process_set: Any = None, *,
                 "SyncCls}} with SyncCls a SyncBatchNormalization subclass that computes what it does")
         if bn:
             config.pop("synchronized", None)
-            return known[type(layer)].from_config({**config, "process_set": process_set, "comm": comm,
-                                                   "check_finite": check_finite, "stats": stats})
+            return known[type(layer)].from_config({**config, **settings})
         return layer.__class__.from_config(config)
 
-    try:
-        new = keras.models.clone_model(model, clone_function=clone, recursive=True)
-    except _UnknownSubclass:
-        raise
-    except ValueError as e:  # subclassed models cannot be cloned
-        raise ValueError(f"{expected}; build a subclassed model's BN layers as "
-                         f"SyncBatchNormalization instead ({e})") from e
-    new.set_weights(model.get_weights())
-    return new
+    return clone

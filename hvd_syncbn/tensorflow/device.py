@@ -6,7 +6,7 @@ The buffers are summed by hvd_syncbn's XLA allreduce over MPI
 (``jit_compile=True``), and outside it where the layer's transport is MPI (the same
 library's TensorFlow kernel; no Horovod cycle to wait for). Otherwise (a GPU
 machine, horovodrun) by Horovod's allreduce, NCCL where Horovod has GPU support. Each carries a
-static identity header (:func:`hvd_syncbn.comm.static_header`): where the ranks summed
+static identity header (:func:`hvd_syncbn.identity.static_header`): where the ranks summed
 different collectives the buffer comes back NaN, which the checks read as the mismatch
 flag. The flags (:mod:`hvd_syncbn.deferred`) accumulate in each layer's
 ``_sync_errors`` variable; :func:`check` and :class:`CheckSyncBatchNorm` raise them.
@@ -20,10 +20,13 @@ from typing import Any, Iterator, Sequence, Tuple
 import keras
 import tensorflow as tf
 
-from hvd_syncbn.comm import HEADER, Call, Communicator, fail, get_timeout, make_call, static_header
+from hvd_syncbn.communicator import Communicator
+from hvd_syncbn.diagnosis import fail
+from hvd_syncbn.identity import HEADER, Call, make_call, static_header
+from hvd_syncbn.settings import get_timeout
 from hvd_syncbn.deferred import FLAGS, raise_seen
 from hvd_syncbn.tensorflow import transports, xla
-from hvd_syncbn.transports import MpiCommunicator
+from hvd_syncbn.mpi import MpiCommunicator
 
 
 class DeferredChecks:
@@ -98,12 +101,12 @@ class GraphReducer:
 
     def _diagnose(self, direction: str, step: int, since: float, reason: str) -> None:
         """Raise the diagnosis of this layer's ``step``-th collective in ``direction``, which
-        began at ``since`` and failed (:func:`hvd_syncbn.comm.fail`, as on the host path)."""
+        began at ``since`` and failed (:func:`hvd_syncbn.diagnosis.fail`, as on the host path)."""
         fail(self.comm, self._call(direction, step), reason, since=since, stuck=True)
 
     def next_call(self, direction: str) -> Call:
         """This rank's next collective in ``direction`` as the diagnosis describes it: its
-        step the library's count where the library sums, else :func:`~hvd_syncbn.comm.make_call`'s."""
+        step the library's count where the library sums, else :func:`~hvd_syncbn.identity.make_call`'s."""
         if not self._ours():
             return make_call(self.comm, self.identity[0], direction, *self.identity[1:])
         call = self._call(direction, 0)

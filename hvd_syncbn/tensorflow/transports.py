@@ -1,4 +1,4 @@
-"""The TensorFlow transports of :mod:`hvd_syncbn.comm`: MPI (mpi4py) and Horovod, in :data:`REGISTRY`.
+"""The TensorFlow transports of :mod:`hvd_syncbn.communicator`: MPI (mpi4py) and Horovod, in :data:`REGISTRY`.
 
 Buffers cross into Python through ``tf.numpy_function``, so both transports get the same
 deadline, identity check and diagnosis as in PyTorch. Chosen by :func:`resolve`.
@@ -14,8 +14,9 @@ from typing import Any, Optional
 import numpy as np
 import tensorflow as tf
 
-from hvd_syncbn.comm import Communicator
-from hvd_syncbn.transports import HorovodTransport, MpiTransport, Registry, Request, not_a_member, rendezvous_rows
+from hvd_syncbn.communicator import Communicator
+from hvd_syncbn.store_rows import rendezvous_rows
+from hvd_syncbn.transports import HorovodTransport, MpiTransport, Registry, Request, not_a_member
 
 try:
     import horovod.tensorflow as hvd
@@ -66,7 +67,7 @@ class HorovodComm(Communicator):
 
     def side(self):
         """Under ``horovodrun`` (Gloo), its rendezvous store, row by row
-        (:class:`~hvd_syncbn.transports.RendezvousRows`); else an allgather, a differently
+        (:class:`~hvd_syncbn.store_rows.RendezvousRows`); else an allgather, a differently
         named op, so that it passes a stuck allreduce."""
         if self._side is None:
             self._side = (rendezvous_rows(self.rank, self.size, self.ps.process_set_id)

@@ -119,7 +119,7 @@ def on_failure(name: str, comm: Any, diagnose: Callable[[int, float, str], None]
     ``diagnose(step, since, reason)`` (``step``: this process's earlier calls of it;
     ``since``: when it began, ``time.monotonic()``'s; ``reason``: the library's message)
     on the op's thread: the message of the
-    :class:`~hvd_syncbn.comm.SyncBatchNormError` it raises becomes the op's error's."""
+    :class:`~hvd_syncbn.errors.SyncBatchNormError` it raises becomes the op's error's."""
     from mpi4py import MPI
 
     _diagnoses[MPI._handleof(comm), name] = diagnose
@@ -137,7 +137,7 @@ def calls(name: str, comm: Any) -> int:
                   ctypes.c_void_p, ctypes.c_size_t)
 def _diagnose(name: bytes, comm: int, step: int, waited: float, reason: bytes, out: int, size: int) -> int:
     """The library's hook for a failed collective: 0 where ``out`` holds the message."""
-    from hvd_syncbn.comm import SyncBatchNormError
+    from hvd_syncbn.errors import SyncBatchNormError
 
     diagnose = _diagnoses.get((comm, name.decode(errors="replace")))
     if diagnose is None:
@@ -190,7 +190,7 @@ def allreduce(buf: Any, name: str, comm: Any = None, timeout: Optional[float] = 
             :func:`default_comm`, a duplicate of ``COMM_WORLD``). Every rank of it must
             run the same calls in the same order.
         timeout: Seconds to wait for the other ranks (default:
-            :func:`hvd_syncbn.comm.get_timeout`, ``$HVD_SYNCBN_TIMEOUT``); fixed when traced.
+            :func:`hvd_syncbn.settings.get_timeout`, ``$HVD_SYNCBN_TIMEOUT``); fixed when traced.
 
     Raises:
         RuntimeError: the library is not available (:func:`available` says why).
@@ -207,12 +207,12 @@ def checked_allreduce(buf: Any, name: str, header: Sequence[float], comm: Any = 
     mismatch)``, ``mismatch`` a boolean scalar, true (and the sum all NaN) where the
     header's sum is not ``comm``'s size times ``header`` (the ranks summed different
     collectives). ``header``: integers below 2**53 whose sum over the ranks is exact
-    (:func:`hvd_syncbn.comm.static_header`'s), fixed when traced."""
+    (:func:`hvd_syncbn.identity.static_header`'s), fixed when traced."""
     from mpi4py import MPI
     from tensorflow.compiler.tf2xla.ops import gen_xla_ops
     from tensorflow.compiler.tf2xla.python import xla as tf_xla
 
-    from hvd_syncbn.comm import get_timeout
+    from hvd_syncbn.settings import get_timeout
 
     load()
     buf = tf.convert_to_tensor(buf)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from hvd_syncbn.comm import env_flag
+from hvd_syncbn.settings import env_flag
 from hvd_syncbn.deferred import messages, raise_seen
 
 SLOTS = ("mismatch", "mismatch", "not_one_row", "steps", "non_finite")

@@ -31,7 +31,11 @@ import torch.distributed as dist
 # _new_process_group_helper fills it); a group outside torch's _world tables must be put there.
 from torch._C._distributed_c10d import _register_process_group
 
-from hvd_syncbn.comm import Communicator, RECORD_BYTES, allreduce, collective_timeout, env_flag, get_timeout, make_call
+from hvd_syncbn.comm import allreduce
+from hvd_syncbn.communicator import Communicator
+from hvd_syncbn.diagnosis import RECORD_BYTES
+from hvd_syncbn.identity import make_call
+from hvd_syncbn.settings import collective_timeout, env_flag, get_timeout
 
 log = logging.getLogger("hvd_syncbn")
 
@@ -137,8 +141,8 @@ def build(over: Communicator) -> Tuple[dist.ProcessGroup, dist.Store]:
     """A process group of ``over``'s ranks (same rank numbers), and the store it needs
     alive (NCCL exchanges its ids over it at the first collective).
 
-    The store waits by :func:`hvd_syncbn.comm.get_timeout`; the broadcast and the group
-    also wait :func:`hvd_syncbn.comm.compile_timeout` more, as a peer may still be
+    The store waits by :func:`hvd_syncbn.settings.get_timeout`; the broadcast and the group
+    also wait :func:`hvd_syncbn.settings.compile_timeout` more, as a peer may still be
     compiling (a functional collective waits by the group's timeout).
     """
     rank, size = over.rank, over.size

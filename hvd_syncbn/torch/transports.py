@@ -1,4 +1,4 @@
-"""The PyTorch transports of :mod:`hvd_syncbn.comm`: ``torch.distributed``, MPI (mpi4py)
+"""The PyTorch transports of :mod:`hvd_syncbn.communicator`: ``torch.distributed``, MPI (mpi4py)
 and Horovod, registered in that order (``auto``'s) in :data:`REGISTRY`.
 
 Chosen per layer call by :func:`resolve`.
@@ -15,11 +15,11 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from hvd_syncbn.comm import Communicator, LocalCommunicator, collective_timeout
+from hvd_syncbn.communicator import Communicator, LocalCommunicator
+from hvd_syncbn.settings import collective_timeout
+from hvd_syncbn.store_rows import KeyValueRows, rendezvous_rows
 from hvd_syncbn.transports import (
-    COMM_ENV, HorovodTransport, KeyValueRows, MpiTransport, Registry, Request, Transport, not_a_member,
-    rendezvous_rows,
-    requested_kind,
+    COMM_ENV, HorovodTransport, MpiTransport, Registry, Request, Transport, not_a_member, requested_kind,
 )
 from hvd_syncbn.torch import private_group
 
@@ -45,7 +45,7 @@ class HorovodComm(Communicator):
 
     def side(self):
         """Under ``horovodrun`` (Gloo), its rendezvous store, row by row
-        (:class:`~hvd_syncbn.transports.RendezvousRows`); else Horovod, one collective."""
+        (:class:`~hvd_syncbn.store_rows.RendezvousRows`); else Horovod, one collective."""
         return self._side
 
     def start(self, buf, name):
@@ -99,7 +99,7 @@ class TorchDistComm(Communicator):
 
     def bound(self, first: bool) -> None:
         """Set the group's timeout for its next collective
-        (:func:`~hvd_syncbn.comm.collective_timeout`); a call only when it changes."""
+        (:func:`~hvd_syncbn.settings.collective_timeout`); a call only when it changes."""
         seconds = collective_timeout(first)
         if seconds != self.seconds:
             try:
@@ -130,7 +130,7 @@ GROUP_DESC = "hvd_syncbn SyncBatchNorm statistics"
 
 def own_group(ranks: list) -> dist.ProcessGroup:
     """A group of ``ranks`` for SyncBN's collectives alone, with SyncBN's first timeout
-    (:func:`~hvd_syncbn.comm.collective_timeout`); only ``ranks`` take part in making it (every
+    (:func:`~hvd_syncbn.settings.collective_timeout`); only ``ranks`` take part in making it (every
     one of them, in the same order of first SyncBN calls). Costs: one more group of the
     same backend (Gloo: a connection to each peer and a worker thread; NCCL: a
     communicator and its buffers on the GPU, set up at the first collective)."""
@@ -142,7 +142,7 @@ def own_group(ranks: list) -> dist.ProcessGroup:
 
 
 class StoreRows(KeyValueRows):
-    """:class:`~hvd_syncbn.transports.KeyValueRows` through the default group's store (a
+    """:class:`~hvd_syncbn.store_rows.KeyValueRows` through the default group's store (a
     ``TCPStore``: torchrun's agent's, which outlives the ranks, or rank 0's), over a
     connection of its own that waits :data:`REQUEST_S` at most (the store's host may be
     the stopped rank), made at the first diagnosis."""

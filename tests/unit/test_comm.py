@@ -16,11 +16,11 @@ import numpy as np
 import pytest
 
 from conftest import collective_timeout, run, world
-from hvd_syncbn import comm, transports
+from hvd_syncbn import comm, communicator, diagnosis, identity, mpi, settings, store_rows, stuck, transports
 
 
-def call(layer: str, step: int = 0, channels: int = 2, dtype: str = "float32", rank: int = 0) -> comm.Call:
-    return comm.Call(layer, "fwd", step, channels, 4, dtype, rank)
+def call(layer: str, step: int = 0, channels: int = 2, dtype: str = "float32", rank: int = 0) -> identity.Call:
+    return identity.Call(layer, "fwd", step, channels, 4, dtype, rank)
 
 
 def reduce(c, layer, payload, **kw):
@@ -152,10 +152,10 @@ def test_a_long_layer_path_is_shortened_in_the_middle_and_the_cause_kept():
         return reduce(c, layer, forward_payload())
 
     out = run(3, fn)
-    short = comm.short_layer(layer)
-    assert len(short) == comm.LAYER_KEEP and short.startswith("encoder.block0.") and short.endswith(".bn1"), short
+    short = diagnosis.short_layer(layer)
+    assert len(short) == diagnosis.LAYER_KEEP and short.startswith("encoder.block0.") and short.endswith(".bn1"), short
     other = layer.replace("block50", "block05")
-    assert comm.short_layer(other) != short and comm.short_layer(other)[:40] == short[:40]
+    assert diagnosis.short_layer(other) != short and diagnosis.short_layer(other)[:40] == short[:40]
     for r, e in enumerate(out):
         assert isinstance(e, comm.SyncBatchNormError), e
         assert f"rank 1: {short}: {cause}" in str(e), f"rank {r}: {e}"
@@ -167,11 +167,11 @@ def test_a_long_layer_path_is_shortened_in_the_middle_and_the_cause_kept():
 def test_a_record_always_fits_and_keeps_both_ends_of_the_problem(layer_chars, problem_chars):
     layer = ("L" * layer_chars) or "bn"
     problem = "START " + "x" * problem_chars + " CAUSE"
-    record = comm._record(comm.Call(layer, "fwd", 0, 4, 4, "float32", 1, problem))
-    assert len(record) <= comm.RECORD_BYTES
-    back = comm.Call(**json.loads(record.decode()))
+    record = diagnosis._record(identity.Call(layer, "fwd", 0, 4, 4, "float32", 1, problem))
+    assert len(record) <= diagnosis.RECORD_BYTES
+    back = identity.Call(**json.loads(record.decode()))
     assert back.problem.startswith("START ") and back.problem.endswith(" CAUSE"), back.problem[-80:]
-    assert len(back.layer) <= max(len(layer), comm.LAYER_KEEP)
+    assert len(back.layer) <= max(len(layer), diagnosis.LAYER_KEEP)
 
 
 def test_a_failure_that_is_not_bad_input_chains_the_real_exception():
@@ -202,24 +202,24 @@ def header_sums(heads: np.ndarray) -> np.ndarray:
 
 def passes(sums: np.ndarray, calls, size: int) -> np.ndarray:
     """The check each rank makes after the sum: exactly ``size`` times its own header."""
-    own = np.array([comm.header(c, size) for c in calls])  # (P, 2)
+    own = np.array([identity.header(c, size) for c in calls])  # (P, 2)
     return np.all(sums == size * own, axis=1)
 
 
-CALLS = [comm.Call(f"layer{i}.{j}.bn{k}", d, s, 64, 4, "float32")
+CALLS = [identity.Call(f"layer{i}.{j}.bn{k}", d, s, 64, 4, "float32")
          for i in range(3) for j in range(2) for k in (1, 2) for d in ("fwd", "bwd") for s in (0, 1, 7)]
 # Each call against 10 others (another layer, direction or step) and itself one step on.
 PAIRS = [(a, CALLS[(i + k) % len(CALLS)]) for i, a in enumerate(CALLS) for k in range(1, 11)]
-PAIRS += [(a, comm.Call(a.layer, a.direction, a.step + 1, a.channels, a.ndim, a.dtype)) for a in CALLS]
+PAIRS += [(a, identity.Call(a.layer, a.direction, a.step + 1, a.channels, a.ndim, a.dtype)) for a in CALLS]
 
 
 @pytest.mark.parametrize("size", [2, 64, 512, 4096])
 def test_header_check_passes_one_collective_and_fails_any_mix(size):
     """``size`` identical headers sum exactly to ``(W·h, W·h²)``; ``W − 1`` copies of one
     call's header with one of another call never pass the check, on either side."""
-    same = np.array([[comm.header(a, size)] * size for a in CALLS])  # (P, W, 2)
+    same = np.array([[identity.header(a, size)] * size for a in CALLS])  # (P, W, 2)
     assert passes(header_sums(same), CALLS, size).all(), f"a collective failed its own check at {size} ranks"
-    mixed = np.array([[comm.header(a, size)] * (size - 1) + [comm.header(b, size)] for a, b in PAIRS])
+    mixed = np.array([[identity.header(a, size)] * (size - 1) + [identity.header(b, size)] for a, b in PAIRS])
     sums = header_sums(mixed)
     wrong = passes(sums, [a for a, _ in PAIRS], size) | passes(sums, [b for _, b in PAIRS], size)
     assert not wrong.any(), f"mixed collectives passed at {size} ranks: {[PAIRS[i] for i in np.flatnonzero(wrong)]}"
@@ -233,7 +233,7 @@ def test_local_communicator_is_world_times_this_rank():
 def test_timeout_and_transport_settings_are_validated(monkeypatch):
     with pytest.raises(ValueError, match="expected a positive number of seconds, got 0"):
         comm.set_timeout(0)
-    comm._timeout = None
+    settings._timeout = None
     monkeypatch.setenv("HVD_SYNCBN_TIMEOUT", "soon")
     with pytest.raises(ValueError, match="HVD_SYNCBN_TIMEOUT: expected a positive number of seconds, got 'soon'"):
         comm.get_timeout()
@@ -254,22 +254,22 @@ def test_the_mpi_cuda_setting_overrides_the_library_and_is_validated(monkeypatch
     """What the library reports is tested under mpirun (ranks_compile.py)."""
     for raw, aware in (("1", True), ("0", False)):
         monkeypatch.setenv("HVD_SYNCBN_MPI_CUDA", raw)
-        assert transports.mpi_reads_cuda() is aware
+        assert mpi.mpi_reads_cuda() is aware
     monkeypatch.setenv("HVD_SYNCBN_MPI_CUDA", "yes")
     with pytest.raises(ValueError, match=r"HVD_SYNCBN_MPI_CUDA: expected 0 \(MPI reads host memory only: .*\) "
                                          r"or 1 \(MPI is CUDA-aware: .*\), got 'yes'"):
-        transports.mpi_reads_cuda()
+        mpi.mpi_reads_cuda()
 
 
 def test_make_call_counts_steps_per_communicator_and_direction():
     """Each rank's ``make_call`` numbers a layer's calls per direction on its own
     communicator, starting at 0, and carries that communicator's rank."""
     a, b = world(2)
-    steps = [comm.make_call(a, "bn", "fwd", 4, 4, "float32").step for _ in range(3)]
+    steps = [identity.make_call(a, "bn", "fwd", 4, 4, "float32").step for _ in range(3)]
     assert steps == [0, 1, 2]
-    first_bwd = comm.make_call(a, "bn", "bwd", 4, 4, "float32")
-    other_layer = comm.make_call(a, "bn2", "fwd", 4, 4, "float32")
-    other_comm = comm.make_call(b, "bn", "fwd", 4, 4, "float32")
+    first_bwd = identity.make_call(a, "bn", "bwd", 4, 4, "float32")
+    other_layer = identity.make_call(a, "bn2", "fwd", 4, 4, "float32")
+    other_comm = identity.make_call(b, "bn", "fwd", 4, 4, "float32")
     assert (first_bwd.step, other_layer.step, other_comm.step) == (0, 0, 0)
     assert (first_bwd.rank, other_comm.rank) == (0, 1)
     assert other_comm.name == "hvd_syncbn.bn.fwd" and first_bwd.name == "hvd_syncbn.bn.bwd"
@@ -388,11 +388,11 @@ def test_a_long_wait_backs_off_and_yields_the_cpu(monkeypatch):
     """For the first 100 ms the polls sleep 50 µs; then 2% of the time waited, up to
     20 ms: a 10 s wait for a peer that never comes polls ~2,600 times, not 200,000
     (on a clock that advances by the sleeps asked for), and never sleeps past its deadline."""
-    assert comm.pause(0.0) == comm.pause(0.099) == comm.SHORT_PAUSE
-    assert comm.pause(0.5) == pytest.approx(0.01) and comm.pause(60.0) == comm.LONG_PAUSE
+    assert communicator.pause(0.0) == communicator.pause(0.099) == communicator.SHORT_PAUSE
+    assert communicator.pause(0.5) == pytest.approx(0.01) and communicator.pause(60.0) == communicator.LONG_PAUSE
     clock = [1000.0]
-    monkeypatch.setattr(comm.time, "monotonic", lambda: clock[0])
-    monkeypatch.setattr(comm.time, "sleep", lambda s: clock.__setitem__(0, clock[0] + s))
+    monkeypatch.setattr(communicator.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(communicator.time, "sleep", lambda s: clock.__setitem__(0, clock[0] + s))
 
     class Never(comm.Communicator):
         polls = 0
@@ -408,7 +408,7 @@ def test_a_long_wait_backs_off_and_yields_the_cpu(monkeypatch):
 
 
 class FakeMpi:
-    """What :class:`~hvd_syncbn.transports.MpiCommunicator` asks of mpi4py, with a switch
+    """What :class:`~hvd_syncbn.mpi.MpiCommunicator` asks of mpi4py, with a switch
     for ``MPI_Finalize`` (as Horovod's thread calls it when a peer shuts Horovod down);
     any request polled after it fails the test, as Open MPI aborts the job."""
 
@@ -448,45 +448,45 @@ class FakeMpi:
 def test_a_wait_whose_mpi_is_finalized_under_it_raises_without_calling_mpi(monkeypatch):
     """A SyncBN wait over MPI while Horovod finalizes MPI (a peer exited): the wait, the
     diagnosis and the abort at exit stop calling MPI, and the rank raises, saying so."""
-    monkeypatch.setattr(comm, "_aborted", [])
-    monkeypatch.setattr(comm.atexit, "register", lambda fn: None)
-    mpi = FakeMpi()
-    c = transports.MpiCommunicator.__new__(transports.MpiCommunicator)
-    c._mpi, c.comm, c.rank, c.size, c._rounds, c._side = mpi, mpi, 0, 2, 0, c
-    threading.Timer(0.2, lambda: setattr(mpi, "finalized", True)).start()
+    monkeypatch.setattr(stuck, "_aborted", [])
+    monkeypatch.setattr(stuck.atexit, "register", lambda fn: None)
+    fake = FakeMpi()
+    c = mpi.MpiCommunicator.__new__(mpi.MpiCommunicator)
+    c._mpi, c.comm, c.rank, c.size, c._rounds, c._side = fake, fake, 0, 2, 0, c
+    threading.Timer(0.2, lambda: setattr(fake, "finalized", True)).start()
     with pytest.raises(comm.SyncBatchNormError, match="RuntimeError: MPI was finalized while this rank waited"):
         reduce(c, "bn", [1.0])
-    assert comm._aborted == [(c, 0.0)]
-    comm._abort_at_exit()
-    assert mpi.after == [], f"called after MPI_Finalize: {mpi.after}"
+    assert stuck._aborted == [(c, 0.0)]
+    stuck._abort_at_exit()
+    assert fake.after == [], f"called after MPI_Finalize: {fake.after}"
 
 
 def test_under_mpirun_with_a_keepalive_a_silent_rank_delays_the_abort_until_a_lost_node_is_noticed(monkeypatch):
     """mpirun's keepalive in the environment (launch/mpirun.sh's at a 5 s timeout: 5 + 2 x 6
     s): a rank that timed out on a silent peer aborts at exit only once mpirun could have
     noticed a lost node, 17 s (+2) after the collective began; without it, at once."""
-    monkeypatch.setattr(comm, "_aborted", [])
-    monkeypatch.setattr(comm.atexit, "register", lambda fn: None)
-    assert comm.lost_node_wait() == 0
+    monkeypatch.setattr(stuck, "_aborted", [])
+    monkeypatch.setattr(stuck.atexit, "register", lambda fn: None)
+    assert stuck.lost_node_wait() == 0
     for name, value in {"time": "5", "intvl": "2", "probes": "6"}.items():
-        monkeypatch.setenv(comm.KEEPALIVE_ENV + name, value)
-    assert comm.lost_node_wait() == 0  # not started by mpirun (srun passes the image's variables on too)
+        monkeypatch.setenv(stuck.KEEPALIVE_ENV + name, value)
+    assert stuck.lost_node_wait() == 0  # not started by mpirun (srun passes the image's variables on too)
     monkeypatch.setenv("OMPI_MCA_orte_hnp_uri", "1.0;tcp://10.0.0.1:1")
-    assert comm.lost_node_wait() == 17
+    assert stuck.lost_node_wait() == 17
     start = time.monotonic()
     run(3, lambda r, c: reduce(c, "bn", [1.0]) if r < 2 else None)
-    [(_, until)] = comm._aborted
-    assert start + 17 + comm.LOST_NODE_MARGIN <= until <= start + 17 + comm.LOST_NODE_MARGIN + 0.5, until - start
-    monkeypatch.setenv(comm.KEEPALIVE_ENV + "time", "0")  # Open MPI's way to turn it off
-    assert comm.lost_node_wait() == 0
+    [(_, until)] = stuck._aborted
+    assert start + 17 + stuck.LOST_NODE_MARGIN <= until <= start + 17 + stuck.LOST_NODE_MARGIN + 0.5, until - start
+    monkeypatch.setenv(stuck.KEEPALIVE_ENV + "time", "0")  # Open MPI's way to turn it off
+    assert stuck.lost_node_wait() == 0
 
 
 def test_an_abort_that_hangs_ends_the_process_within_half_the_timeout():
     """Horovod's shutdown over Gloo waits out Gloo's receive timeout for a stopped peer:
     the process exits hard, status 1, once its abort took half the SyncBN timeout."""
-    script = ("import time\nfrom hvd_syncbn import comm\ncomm.set_timeout(1.0)\n"
+    script = ("import time\nfrom hvd_syncbn import comm, stuck\ncomm.set_timeout(1.0)\n"
               "class Hangs(comm.Communicator):\n    kind = 'hanging'\n    def abort(self): time.sleep(60)\n"
-              "comm._aborted.append((Hangs(), 0.0))\ncomm._abort_at_exit()\nprint('returned')\n")
+              "stuck._aborted.append((Hangs(), 0.0))\nstuck._abort_at_exit()\nprint('returned')\n")
     start = time.monotonic()
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60,
                          env={**os.environ, "PYTHONPATH": str(Path(comm.__file__).parents[1])})
@@ -512,7 +512,7 @@ def rendezvous(monkeypatch):
 
 def over_the_store(comms: list, group: int = 0) -> list:
     for c in comms:
-        c.side_comm = transports.rendezvous_rows(c.rank, c.size, group)
+        c.side_comm = store_rows.rendezvous_rows(c.rank, c.size, group)
     return comms
 
 

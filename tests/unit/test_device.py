@@ -265,7 +265,7 @@ def test_debug_asserts_raise_at_the_step(fake_world, monkeypatch, compiled):
 
 
 def test_bad_stats_and_compile_timeout_are_refused_with_what_was_expected(monkeypatch):
-    from hvd_syncbn import comm
+    from hvd_syncbn import settings
 
     with pytest.raises(ValueError, match=r"expected stats to be 'auto', 'host' or 'device', got 'gpu'"):
         SyncBatchNorm(4, stats="gpu")
@@ -276,9 +276,9 @@ def test_bad_stats_and_compile_timeout_are_refused_with_what_was_expected(monkey
     assert SyncBatchNorm(4).stats == "device" and SyncBatchNorm(4, stats="host").stats == "host"
     monkeypatch.setenv("HVD_SYNCBN_COMPILE_TIMEOUT", "-1")
     with pytest.raises(ValueError, match="HVD_SYNCBN_COMPILE_TIMEOUT: expected a non-negative number of seconds, got '-1'"):
-        comm.compile_timeout()
+        settings.compile_timeout()
     monkeypatch.setenv("HVD_SYNCBN_COMPILE_TIMEOUT", "0")
-    assert comm.compile_timeout() == 0.0
+    assert settings.compile_timeout() == 0.0
 
 
 def test_revert_drops_what_the_device_path_added():

@@ -9,7 +9,7 @@ import torch
 
 import cuda_kernels
 from hvd_syncbn import backend, layout
-from hvd_syncbn.tensorflow.functional import CompositeKernels, _ops
+from hvd_syncbn.tensorflow.kernels import TF_OPS, CompositeKernels
 from hvd_syncbn.torch import device
 from hvd_syncbn.torch.kernels import KERNEL_SETS
 
@@ -53,8 +53,8 @@ def tf_buffers(x, dy, weight):
     count, mean, var = kernels.moments(tf.constant(x))
     stats = kernels.prepare(mean, var)
     sum_dy, sum_dy_xhat, _ = kernels.grad_sums(tf.constant(dy), tf.constant(x), stats, tf.constant(weight))
-    fwd = layout.pack_moments(_ops, count, mean, var)
-    return fwd.numpy(), layout.pack_grad_sums(_ops, sum_dy, sum_dy_xhat).numpy()
+    fwd = layout.pack_moments(TF_OPS, count, mean, var)
+    return fwd.numpy(), layout.pack_grad_sums(TF_OPS, sum_dy, sum_dy_xhat).numpy()
 
 
 def test_every_driver_packs_the_same_buffers(data):

@@ -181,7 +181,7 @@ def test_tf_fused_kernel_matches_reference(layout, kind):
     """The Keras layer's ``_fused_moments`` (one ``FusedBatchNormV3`` pass; the reference
     where its float32 mean is too coarse) in eager mode and in a ``tf.function``."""
     tf = tensorflow()
-    from hvd_syncbn.tensorflow.functional import _fused_layout, _fused_moments
+    from hvd_syncbn.tensorflow.kernels import _fused_layout, _fused_moments
 
     shape, channel = TF_LAYOUTS[layout]
     x_np = adversarial(kind, shape, channel)

@@ -1,0 +1,114 @@
+"""The interface a transport implements: :class:`Communicator`, a summing allreduce of
+float64 buffers polled against a deadline (and a gather for the diagnosis), with
+:class:`LocalCommunicator`, the transport-free one for benchmarks and tests."""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Dict
+
+import numpy as np
+
+
+class Communicator:
+    """A summing allreduce of 1-D float64 numpy buffers over a fixed group of ranks; some
+    also take an adapter's tensors (:attr:`device_buffers`)."""
+
+    kind = "?"
+    rank = 0
+    size = 1
+    spins = 0
+    """Polls before the caller starts sleeping between polls: MPI progresses only inside
+    its calls, so it spins; transports with their own threads should not steal a core."""
+    device_buffers = False
+    """Whether ``start`` also takes an adapter's CUDA buffers as they are (the transport
+    reads device memory); else the adapter copies them to the host."""
+    traceable = False
+    """Whether a compiler can trace its collectives (``torch.distributed``'s functional
+    collectives); else an adapter wraps :func:`allreduce` in an opaque op."""
+
+    def start(self, buf: Any, name: str) -> Any:
+        """Begin summing ``buf``, a float64 numpy buffer (or a CUDA one, see
+        :attr:`device_buffers`), which may be reused as the output; return a handle."""
+        raise NotImplementedError
+
+    partial_gather = False
+    """Whether :meth:`gathered` hands out each rank's row as it arrives; else the gather
+    is one collective, and one absent rank holds back every row."""
+
+    def start_gather(self, row: np.ndarray) -> Any:
+        """Begin gathering every rank's ``row`` (equal sizes) into a ``(size, len)``
+        table; here, as the sum of a zero table holding this rank's row."""
+        table = np.zeros((self.size, row.size), dtype=np.float64)
+        table[self.rank] = row
+        return self.start(table.reshape(-1), "hvd_syncbn.diagnose")
+
+    def gathered(self, handle: Any) -> Dict[int, np.ndarray]:
+        """The rows of :meth:`start_gather` that have arrived, by rank: here all once
+        ``done``, none before (see :attr:`partial_gather`)."""
+        if not self.done(handle):
+            return {}
+        return dict(enumerate(np.asarray(self.result(handle)).reshape(self.size, -1)))
+
+    def end_gather(self, handle: Any) -> None:
+        """Stop waiting for the rows of :meth:`start_gather` that did not arrive."""
+
+    def done(self, handle: Any) -> bool:
+        raise NotImplementedError
+
+    def result(self, handle: Any) -> Any:
+        """The summed buffer, of ``start``'s kind; raises if the transport failed."""
+        raise NotImplementedError
+
+    def wait(self, handle: Any, deadline: float) -> bool:
+        """Until ``done`` (spinning ``spins`` polls first, then polling with sleeps, see
+        :func:`pause`); ``False`` at the ``time.monotonic()`` deadline."""
+        for _ in range(self.spins):
+            if self.done(handle):
+                return True
+        begin = time.monotonic()
+        while not self.done(handle):
+            now = time.monotonic()
+            if now > deadline:
+                return False
+            time.sleep(min(pause(now - begin), max(0.0, deadline - now) + 1e-4))
+        return True
+
+    def side(self) -> "Communicator":
+        """A channel for diagnostics that a stuck collective on this one cannot block."""
+        return self
+
+    def abort(self) -> None:
+        """After a failure: stop this process's transport so that peers stop too."""
+
+
+SHORT_PAUSE, LONG_PAUSE, BACKOFF_AFTER, BACKOFF_SHARE = 5e-5, 0.02, 0.1, 0.02
+
+
+def pause(waited: float) -> float:
+    """Seconds to sleep between polls of a wait that has lasted ``waited`` seconds:
+    :data:`SHORT_PAUSE` while it is within a collective's latency plus a slow peer's
+    usual lateness (:data:`BACKOFF_AFTER`, 100 ms), then :data:`BACKOFF_SHARE` of the
+    time waited, up to :data:`LONG_PAUSE`: a stopped peer costs a waiting rank ~50
+    wake-ups a second, not 15,000, and an answer after a long wait is read at most 2%
+    (and 20 ms) late."""
+    return SHORT_PAUSE if waited < BACKOFF_AFTER else min(LONG_PAUSE, waited * BACKOFF_SHARE)
+
+
+class LocalCommunicator(Communicator):
+    """No transport: ``size`` ranks that all hold this rank's buffer (the sum is
+    ``size·buf``). For compute-only benchmarks and tests."""
+
+    kind = "local"
+
+    def __init__(self, size: int = 2, rank: int = 0) -> None:
+        self.size, self.rank = size, rank
+
+    def start(self, buf, name):
+        return buf * self.size
+
+    def done(self, handle):
+        return True
+
+    def result(self, handle):
+        return handle
