@@ -30,13 +30,9 @@ from hvd_syncbn.identity import HEADER, Call, header
 from hvd_syncbn.settings import TIMEOUT_ENV, get_timeout
 from hvd_syncbn.stuck import wait_or_keep
 
-# Importable from here as before: the public names that users import from this module ...
+# Importable from here as before: the public names that users import from this module.
 from hvd_syncbn.communicator import LocalCommunicator  # noqa: F401,E402
 from hvd_syncbn.settings import set_timeout  # noqa: F401,E402
-# ... and, until they import from the modules above, what the PyTorch driver's modules
-# (torch/reducers.py) import from here.
-from hvd_syncbn.identity import make_call, static_header  # noqa: F401,E402
-from hvd_syncbn.settings import collective_timeout  # noqa: F401,E402
 
 
 def prepend(head: List[float], payload: np.ndarray) -> np.ndarray:

@@ -10,7 +10,7 @@ Backward, float64, ``H + 2C`` values::
 
     [header (H) | Σdy | Σdy·(x − mean)·s]
 
-- ``header``: ``H = 2`` lanes ``[h, h²]`` (:func:`hvd_syncbn.comm.header`) where the
+- ``header``: ``H = 2`` lanes ``[h, h²]`` (:func:`hvd_syncbn.identity.header`) where the
   driver's own step checks them (PyTorch over ``torch.distributed``): their sum must be
   ``W·[h, h²]``. ``H = 0`` where the transport's call puts the header in front and checks
   it (:func:`hvd_syncbn.comm.allreduce`, the XLA op, TensorFlow's graph reducer).

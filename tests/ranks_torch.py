@@ -28,6 +28,7 @@ from torch import nn
 
 from hvd_syncbn import comm as transport
 from hvd_syncbn.torch import SyncBatchNorm, convert_sync_batchnorm
+from hvd_syncbn.torch import reducers
 from hvd_syncbn.torch.kernels import Composite, Native
 from oracle import (
     EMPTY, UNEQUAL, Ranks, TorchTrainer, as_accurate, assert_close, eval_batch, global_batch, launched, shard_sizes,
@@ -64,12 +65,13 @@ def no_collective_when_alone(monkeypatch):
         return
     made = []
 
-    def recorded(name):
-        real = getattr(transport, name)
+    def recorded(module, name):
+        real = getattr(module, name)
         return lambda *args, **kwargs: made.append(name) or real(*args, **kwargs)
 
-    for name in ("allreduce", "poison"):
-        monkeypatch.setattr(transport, name, recorded(name))
+    # where the layer's reducers call them: MPI and Horovod (allreduce, poison), torch.distributed (summed)
+    for name in ("allreduce", "poison", "summed"):
+        monkeypatch.setattr(reducers, name, recorded(reducers, name))
     yield
     assert not made, f"a SyncBN collective ran at 1 rank: {made}"
 

@@ -28,11 +28,13 @@ from typing import List, NamedTuple, Optional, Tuple
 import torch
 from torch import Tensor
 
-from hvd_syncbn.comm import (
-    TIMEOUT_ENV, Call, Communicator, Join, SyncBatchNormInputError, allreduce, collective_timeout, fail,
-    make_call, poison, prepend, static_header,
-)
+from hvd_syncbn.comm import Join, allreduce, poison, prepend
+from hvd_syncbn.communicator import Communicator
+from hvd_syncbn.diagnosis import fail
+from hvd_syncbn.errors import SyncBatchNormInputError
+from hvd_syncbn.identity import Call, make_call, static_header
 from hvd_syncbn.layout import grad_lane
+from hvd_syncbn.settings import TIMEOUT_ENV, collective_timeout
 
 def _header(layer: str, direction: str, channels: int, ndim: int, dtype: str, world: int) -> Tuple[float, ...]:
     return tuple(static_header(layer, direction, channels, ndim, dtype, world))
@@ -89,7 +91,7 @@ def known_comm(index: int) -> Communicator:
 def host_summed(comm: Communicator, identity: Identity, buf: Tensor, direction: str, traced: bool = False) -> Tensor:
     """:func:`hvd_syncbn.comm.allreduce` of a float64 buffer over ``comm``; ``traced`` (the
     custom op of a compiled step): the first call of each layer and direction waits
-    :func:`hvd_syncbn.comm.compile_timeout` more, as a peer may still be compiling."""
+    :func:`hvd_syncbn.settings.compile_timeout` more, as a peer may still be compiling."""
     call = identity.call(comm, direction)
     timeout = collective_timeout(traced and call.step == 0)
     join = joiner(comm, buf.device)
@@ -169,7 +171,7 @@ def summed(comm: Communicator, identity: Identity, buf: Tensor, direction: str, 
     If the collective fails (Gloo's timeout, a peer gone), the ranks that can still talk
     diagnose over the side channel and raise :class:`SyncBatchNormError` naming the
     layer, the direction, the step and the missing ranks
-    (:func:`hvd_syncbn.comm.fail`). NCCL's collectives do not block the host: its
+    (:func:`hvd_syncbn.diagnosis.fail`). NCCL's collectives do not block the host: its
     watchdog ends the process at the timeout (docs/failures.md)."""
     call = identity.call(comm, direction)
     comm.bound(traced and call.step == 0)
