@@ -4,6 +4,7 @@ belong in the benchmarks' own runs, not in tests)."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -17,8 +18,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def bench(*args: str) -> str:
-    out = subprocess.run([sys.executable, *args], cwd=ROOT, env=clean_env(), capture_output=True, text=True,
-                         timeout=300)
+    """Run ``args`` (a script under this Python, or a launcher's command line) from the root."""
+    command = ["bash", *args] if args[0].endswith(".sh") else [sys.executable, *args]
+    out = subprocess.run(command, cwd=ROOT, env=clean_env(), capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, f"{args} exited {out.returncode}:\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}"
     return out.stdout
 
@@ -47,6 +49,31 @@ def test_bench_compile_first_compiles_resnet18_on_both_kernel_sets():
 
 def test_bench_versions_times_two_trees_alternately():
     """A CPU training step at 2 ranks under mpirun and torchrun, this tree against a
-    baseline checkout (here itself), each net in each."""
+    baseline checkout (this tree again), each net in each."""
     out = bench("benchmarks/bench_versions.py", "--baseline", str(ROOT), "--rounds", "1", "--steps", "2")
     assert table(out) == ["mpirun", "mpirun", "torchrun", "torchrun"], out
+
+
+def errors(results) -> list:
+    """Every job's ``error`` in a ``run.py`` results tree (a failed job leaves one)."""
+    if isinstance(results, dict):
+        return ([results["error"]] if "error" in results else []) + [e for v in results.values() for e in errors(v)]
+    return [e for v in results for e in errors(v)] if isinstance(results, list) else []
+
+
+def test_run_quick_reports_every_pytorch_part(tmp_path):
+    """``benchmarks/run.py --quick`` without the Keras jobs and the network-namespace hosts:
+    per layer at 1, 2 and 4 ranks, the training steps, the counts and the scaling fit run,
+    and the report is written, with no job's error in it."""
+    bench("benchmarks/run.py", "--quick", "--no-tf", "--no-netns", "--out", str(tmp_path))
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert not errors(results), errors(results)
+    assert {"torch_layers", "e2e", "alphabeta"} <= set(results) and (tmp_path / "REPORT.md").is_file(), sorted(results)
+
+
+def test_bench_comm_times_each_transport():
+    """``benchmarks/bench_comm.py`` at 2 ranks under mpirun (PyTorch): a row per shape, each
+    transport a column, and the ResNet-50 summary."""
+    out = bench("launch/mpirun.sh", "-np", "2", "--", sys.executable, "benchmarks/bench_comm.py", "--framework",
+                "torch", "--iters", "2")
+    assert len(table(out)) == 5 and "| mpi | mpi excess | horovod |" in out and "ResNet-50's 53 BN layers" in out, out
