@@ -38,7 +38,7 @@ if [ ${#missing[@]} -gt 0 ]; then
   as_root apt-get update -qq
   DEBIAN_FRONTEND=noninteractive as_root apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
 fi
-command -v "$PYTHON" >/dev/null || die "no $PYTHON: set PYTHON to a Python 3.9+ interpreter"
+command -v "$PYTHON" >/dev/null || die "no $PYTHON: set PYTHON to a Python 3.11+ interpreter"
 
 # 2. The virtual environment and the Python packages (skipped when already pinned).
 [ -x "$VENV/bin/python" ] || { log "creating $VENV"; "$PYTHON" -m venv "$VENV"; }
