@@ -164,7 +164,7 @@ class SyncBatchNorm(_BatchNorm):
         self.comm = comm
         self.check_finite = bool(check_finite)
         self.stats = stats_choice(stats)
-        self._plans: dict = {}  # the device path's, by input signature (see _plan)
+        self._plans: dict = {}  # the step's, by input signature (see _plan)
         like = next((t for t in (self.weight, self.running_mean) if t is not None), None)
         self.register_buffer("_sync_errors", torch.zeros(len(deferred.SLOTS), dtype=torch.int64,
                                                          device=None if like is None else like.device),
@@ -176,7 +176,7 @@ class SyncBatchNorm(_BatchNorm):
         _layers[self._sync_id] = self
 
     def __getstate__(self) -> dict:
-        """As ``nn.Module``'s, without the device path's plans (they hold communicators)."""
+        """As ``nn.Module``'s, without the step's plans (they hold communicators)."""
         state = super().__getstate__() if hasattr(super(), "__getstate__") else self.__dict__.copy()
         return {**state, "_plans": {}}
 
@@ -191,7 +191,7 @@ class SyncBatchNorm(_BatchNorm):
     """What :meth:`_init_sync` sets (and the ``_sync_errors`` buffer); reverting to plain BN drops these."""
 
     def train(self, mode: bool = True) -> "SyncBatchNorm":
-        """As ``nn.Module.train``, then raise the device path's deferred errors of this
+        """As ``nn.Module.train``, then raise the deferred errors of this
         layer (:func:`~hvd_syncbn.torch.check`)."""
         super().train(mode)
         deferred.check(self)
@@ -214,7 +214,7 @@ class SyncBatchNorm(_BatchNorm):
 
     def _comm(self, nccl: bool = False) -> Optional[Communicator]:
         """The communicator of this call, or ``None`` when this process is alone; ``nccl``:
-        CUDA tensors on the device path (see :func:`hvd_syncbn.torch.transports.resolve`)."""
+        CUDA tensors (see :func:`hvd_syncbn.torch.transports.resolve`)."""
         comm = _traced_comm(self._sync_id, nccl) if torch.compiler.is_compiling() else self._resolve_comm(nccl)
         return comm if comm is not None and comm.size > 1 else None
 
@@ -255,7 +255,7 @@ class SyncBatchNorm(_BatchNorm):
             reduce.fail(str(e), joins=joins)
 
     def _plan(self, x: Tensor, comm: Communicator) -> Plan:
-        """The device path's :class:`~hvd_syncbn.torch.device.Plan` for ``x`` over ``comm``:
+        """The step's :class:`~hvd_syncbn.torch.device.Plan` for ``x`` over ``comm``:
         its reducer, kernel set (``$HVD_SYNCBN_KERNELS``), the dtype of the statistics it
         takes and its lanes. Eagerly made at the first step of each input signature and
         kept (``x`` checked then; later only its channel count)."""

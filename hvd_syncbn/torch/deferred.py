@@ -1,7 +1,6 @@
-"""The device path's checks, deferred: no host read during the step.
+"""The checks of a step, deferred: no host read during the step.
 
-On the device path (statistics as tensors on the input's device, traceable by
-``torch.compile``) a check that would need a host read — a global batch of one row,
+For CUDA tensors and under ``torch.compile`` (and everywhere with ``stats="device"``) a check that would need a host read — a global batch of one row,
 ``check_finite``, ranks that summed different collectives over ``torch.distributed`` —
 sets a flag in the layer's ``_sync_errors`` buffer instead (:mod:`hvd_syncbn.torch.device`);
 the running statistics are left alone on such a step, and the output is NaN after a
@@ -50,12 +49,12 @@ def record(name: str, seen: Tensor, flags: Tensor, heads: int, debug: bool) -> N
         texts = (mismatch,) * heads + (single_row, None, non_finite)
         for i, (flag, text) in enumerate(zip(flags, texts)):
             if text is not None:  # every flag but N != 1 is an error
-                torch._assert_async(flag if i == heads else ~flag, f"SyncBatchNorm (device path): {text}")
+                torch._assert_async(flag if i == heads else ~flag, f"SyncBatchNorm (deferred check): {text}")
     seen[start:start + flags.numel()].add_(flags)
 
 
 def check(module: nn.Module) -> None:
-    """Raise the device path's deferred errors of ``module``'s SyncBN layers (one host
+    """Raise the deferred errors of ``module``'s SyncBN layers (one host
     read), naming each layer and what it saw since the last check, and clear them.
 
     Raises:
@@ -70,4 +69,4 @@ def check(module: nn.Module) -> None:
     for m in layers:
         m._sync_errors.zero_()
     rows = [(row[:2].any(), row[3] > row[2], row[4] > 0) for row in seen]  # as FLAGS
-    raise_seen("SyncBatchNorm (device path)", [(m.layer_name, row) for m, row in zip(layers, rows)])
+    raise_seen("SyncBatchNorm (deferred check)", [(m.layer_name, row) for m, row in zip(layers, rows)])

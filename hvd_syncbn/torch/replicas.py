@@ -6,7 +6,7 @@ process, and across processes with one collective per process and direction.
 ``_replicate_for_data_parallel``: the seam; no wrapper class, no patch) and runs the
 copies in threads, one per device. The copies of one layer made by one ``replicate``
 form a :class:`ReplicaSet`. In the forward each replica computes its local buffer (the
-device path's, by its kernel set's ``local``); the last to arrive sums
+step's, by its kernel set's ``local``); the last to arrive sums
 them, sums that over the processes where there are several (the layer's communicator,
 one collective), and every replica normalises with the result.
 

@@ -1,4 +1,4 @@
-"""One training step of the device path (:mod:`hvd_syncbn.torch.device`): the autograd
+"""One training step (:mod:`hvd_syncbn.torch.device`'s phases): the autograd
 Function around its four phases and two collectives.
 
 Eagerly the phases are Python calls. Under ``torch.compile`` each is a custom op

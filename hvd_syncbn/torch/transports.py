@@ -180,7 +180,7 @@ class PrivateGroupComm(TorchDistComm):
     """``torch.distributed`` on a private group of ``over``'s ranks
     (:mod:`hvd_syncbn.torch.private_group`), built over ``over`` (MPI or Horovod), which
     also carries the diagnosis and stops the job after a stuck collective. Host buffers
-    cross over Gloo; the device path's CUDA tensors over NCCL."""
+    cross over Gloo; CUDA statistics over NCCL."""
 
     def __init__(self, over: Communicator) -> None:  # not TorchDistComm's: it asks torch's tables
         self.group, self._store = private_group.build(over)
@@ -272,7 +272,7 @@ def _horovod_on() -> bool:
 
 def resolve(kind: Any, process_set: Any, layer: str, nccl: bool = False) -> Optional[Communicator]:
     """The communicator a layer uses now, or ``None`` when it is alone (plain BN).
-    ``nccl``: the statistics are CUDA tensors on the device path, which under ``auto`` a
+    ``nccl``: the statistics are CUDA tensors, which under ``auto`` a
     private group carries over NCCL instead of MPI or Horovod (unless
     ``$HVD_SYNCBN_PRIVATE_GROUP=0``); ``comm='mpi'`` or ``'horovod'`` keeps that transport.
 
@@ -288,7 +288,7 @@ def resolve(kind: Any, process_set: Any, layer: str, nccl: bool = False) -> Opti
         comm = REGISTRY.resolve(kind, _request(process_set, layer, hvd_on))
         if nccl and comm is not None and comm.kind in ("mpi", "horovod") and dist.is_nccl_available() \
                 and private_group.enabled() and requested_kind(kind) == "auto":
-            comm = private_comm(comm, "CUDA tensors on the device path")
+            comm = private_comm(comm, "CUDA statistics")
         _resolved[state] = comm
     return _resolved[state]
 

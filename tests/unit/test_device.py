@@ -164,7 +164,7 @@ def test_deferred_errors_are_raised_by_check_and_on_mode_switch(kernels):
         before = model[1].running_mean.clone()
         model(torch.randn(1 - r, 3, 1, 1))  # one value per channel in all
         assert torch.equal(model[1].running_mean, before) and model[1].num_batches_tracked.item() == 0
-        with pytest.raises(ValueError, match=r"^SyncBatchNorm \(device path\): 1: expected more than 1 value"):
+        with pytest.raises(ValueError, match=r"^SyncBatchNorm \(deferred check\): 1: expected more than 1 value"):
             check(model)
         check(model)  # cleared
         bad = torch.randn(2, 3, 6, 6)
@@ -255,7 +255,7 @@ def test_debug_asserts_raise_at_the_step(fake_world, monkeypatch, compiled):
     monkeypatch.setenv("HVD_SYNCBN_DEVICE_ASSERT", "1")
     model = cnn("device")
     step = torch.compile(model, backend="aot_eager", fullgraph=True) if compiled else model
-    with pytest.raises(RuntimeError, match=r"SyncBatchNorm \(device path\): 1: ranks summed different collectives"):
+    with pytest.raises(RuntimeError, match=r"SyncBatchNorm \(deferred check\): 1: ranks summed different collectives"):
         step(torch.randn(3, 3, 6, 6))
     assert model[1].num_batches_tracked.item() == 0 and not model[1]._sync_errors.any()
     torch._dynamo.reset()
