@@ -246,22 +246,6 @@ class Checks(Protocol):
         """``values``, ordered after the checks (graph frameworks) or as they are."""
 
 
-class RaiseChecks:
-    """:class:`Checks` that raise ``ValueError`` at once (statistics read on the host)."""
-
-    @staticmethod
-    def require(ok: Any, check: str, message: str) -> None:
-        if not ok:
-            raise ValueError(message)
-
-    @staticmethod
-    def after(values: Sequence[Tensor]) -> Sequence[Tensor]:
-        return values
-
-
-RAISE = RaiseChecks()
-
-
 class Step(NamedTuple):
     """What a framework path hands the driver: its ops, kernels, summing allreduce,
     check policy, and the layer's ``eps`` and name."""

@@ -19,6 +19,7 @@ from torch import Tensor
 from torch._prims_common import suggest_memory_format
 from torch.autograd.function import once_differentiable
 
+from hvd_syncbn import layout
 from hvd_syncbn.comm import SyncBatchNormError
 from hvd_syncbn.torch.device import Lanes, Plan, backward_apply, backward_local, forward_apply, forward_local
 from hvd_syncbn.torch.kernels import KERNEL_SETS
@@ -44,8 +45,8 @@ def _forward_local(x: Tensor, head: List[float], eps: float, acc: torch.dtype, k
 
 
 @_forward_local.register_fake
-def _(x, head, eps, acc, kernels):
-    return x.new_empty(len(head) + 2 * x.shape[1], dtype=torch.float64)
+def _(x, head, eps, acc, kernels):  # head: the header, then the count's lane
+    return x.new_empty(layout.forward_size(x.shape[1], len(head) - 1), dtype=torch.float64)
 
 
 @torch.library.custom_op("hvd_syncbn::forward_apply", mutates_args=())
@@ -76,7 +77,7 @@ def _backward_local(dy: Tensor, x: Tensor, weight: Optional[Tensor], stats: Tens
 @_backward_local.register_fake
 def _(dy, x, weight, stats, invstd, head, eps, acc, kernels):
     grads = x.new_empty(0) if weight is None else weight.new_empty(2, x.shape[1])
-    return x.new_empty(len(head) + 2 * x.shape[1], dtype=torch.float64), grads
+    return x.new_empty(layout.backward_size(x.shape[1], len(head)), dtype=torch.float64), grads
 
 
 @torch.library.custom_op("hvd_syncbn::backward_apply", mutates_args=())
