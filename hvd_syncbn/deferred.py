@@ -25,7 +25,8 @@ FLAGS = ("mismatch", "single_row", "non_finite")
 def messages(layer: str) -> Tuple[str, str, str]:
     """What each of :data:`FLAGS` means, for ``layer``."""
     return (f"{layer}: ranks summed different collectives (they disagree on the SyncBN layers, their order, "
-            f"channel count, input rank or dtype)", validation.single_row_message(layer), validation.non_finite_message(layer))
+            f"channel count, input rank or dtype)", validation.single_row_message(layer),
+            validation.non_finite_message(layer))
 
 
 def raise_seen(path: str, seen: Sequence[Tuple[str, Sequence[bool]]],

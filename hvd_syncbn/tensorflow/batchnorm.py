@@ -157,7 +157,7 @@ class SyncBatchNormalization(keras.layers.BatchNormalization):
                                  f"of shape {shape}")
             for a, size in self._channels.items():
                 validation.check_input(self.name, shape, a, size, inputs.dtype.is_floating, inputs.dtype.name,
-                                    "tf.cast(x, tf.float32)")
+                                       "tf.cast(x, tf.float32)")
         except ValueError as e:
             return str(e)
         return ""

@@ -1,12 +1,13 @@
 """The checks of a step, deferred: no host read during the step.
 
-For CUDA tensors and under ``torch.compile`` (and everywhere with ``stats="device"``) a check that would need a host read — a global batch of one row,
-``check_finite``, ranks that summed different collectives over ``torch.distributed`` —
-sets a flag in the layer's ``_sync_errors`` buffer instead (:mod:`hvd_syncbn.torch.device`);
-the running statistics are left alone on such a step, and the output is NaN after a
-mismatch. :func:`check` raises them, naming the layers; :meth:`SyncBatchNorm.train` and
-:meth:`~SyncBatchNorm.eval` call it. With ``$HVD_SYNCBN_DEVICE_ASSERT=1`` (debugging) each flag is also a
-``torch._assert_async`` at the step.
+For CUDA tensors and under ``torch.compile`` (and everywhere with ``stats="device"``) a
+check that would need a host read — a global batch of one row, ``check_finite``, ranks
+that summed different collectives over ``torch.distributed`` — sets a flag in the
+layer's ``_sync_errors`` buffer instead (:mod:`hvd_syncbn.torch.device`); the running
+statistics are left alone on such a step, and the output is NaN after a mismatch.
+:func:`check` raises them, naming the layers; :meth:`SyncBatchNorm.train` and
+:meth:`~SyncBatchNorm.eval` call it. With ``$HVD_SYNCBN_DEVICE_ASSERT=1`` (debugging)
+each flag is also a ``torch._assert_async`` at the step.
 """
 
 from __future__ import annotations
