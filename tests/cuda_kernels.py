@@ -1,11 +1,16 @@
 """CPU stand-ins of torch's fused batch-norm kernels that only CUDA has, for the tests
-that run SyncBN's native kernel set without a GPU (``hvd_syncbn.torch.kernels.Native``).
+that run SyncBN's native kernel set without a GPU (``hvd_syncbn.torch.kernels.Native``)
+and for torch's own SyncBN Function in ``benchmarks/gpu_check.py --dry-run``.
 
 Each is written from the CUDA kernel's contract as ``aten/src/ATen/native/cuda/
 Normalization.cu`` and ``Normalization.cuh`` state it, and computes in float64, its
 results rounded to the dtypes CUDA returns (the statistics in the input's accumulation
 dtype: float32 for half, bfloat16 and float32 input, float64 for float64):
 
+- ``batch_norm_stats(x, eps)`` -> ``(mean, invstd)`` and
+  ``batch_norm_gather_stats_with_counts(x, mean_all, invstd_all, running_mean?,
+  running_var?, momentum, eps, counts)`` -> the ``(mean, invstd)`` of ``W`` ranks' rows,
+  with the running update: what torch's own SyncBN Function calls besides the four below;
 - ``batch_norm_update_stats(x, running_mean?, running_var?, momentum)`` -> ``(mean, var)``,
   biased; the running update with the unbiased variance. It overrides the CPU kernel,
   which returns half-precision statistics for half-precision input where CUDA's are float32.
@@ -169,8 +174,36 @@ def backward_elemt(dy, x, mean, invstd, weight, sum_dy, sum_dy_xmu, count):
     return dx.to(x.dtype).contiguous(memory_format=suggest_memory_format(dy))
 
 
+def stats(x, eps):
+    op = "batch_norm_stats"
+    acc = acc_of(op, x)
+    check_input(op, x)
+    var, mean = torch.var_mean(x.double(), dims(x), correction=0)
+    return mean.to(acc), (var + eps).rsqrt().to(acc)
+
+
+def gather_stats_with_counts(x, mean_all, invstd_all, running_mean, running_var, momentum, eps, counts):
+    """The ranks' ``(mean, invstd)`` rows of ``counts`` rows each combined: the global
+    ``(mean, invstd)``, and the running update with the unbiased variance (no guard: a
+    zero total count divides by zero, as on CUDA)."""
+    op = "batch_norm_gather_stats_with_counts"
+    check_stats(op, mean_all.dtype, mean_all, invstd_all)
+    n = counts.double()[:, None]  # (W, 1)
+    total = n.sum(0)
+    mean = (n * mean_all.double()).sum(0) / total
+    var_n = (n * (invstd_all.double() ** -2 - eps + (mean_all.double() - mean) ** 2)).sum(0)
+    with torch.no_grad():
+        if running_mean is not None:
+            running_mean.copy_(running_mean.double() * (1 - momentum) + mean * momentum)
+        if running_var is not None:
+            running_var.copy_(running_var.double() * (1 - momentum) + var_n / (total - 1) * momentum)
+    return mean.to(mean_all.dtype), (var_n / total + eps).rsqrt().to(mean_all.dtype)
+
+
 STAND_INS = {"batch_norm_update_stats": update_stats, "batch_norm_elemt": elemt,
-             "batch_norm_backward_reduce": backward_reduce, "batch_norm_backward_elemt": backward_elemt}
+             "batch_norm_backward_reduce": backward_reduce, "batch_norm_backward_elemt": backward_elemt,
+             "batch_norm_stats": stats, "batch_norm_gather_stats_with_counts": gather_stats_with_counts}
+"""Every CUDA-only kernel of SyncBN's native set and of torch's own SyncBN Function."""
 
 
 @contextlib.contextmanager

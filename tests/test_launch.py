@@ -184,7 +184,8 @@ def test_gpu_check_dry_run_checks_its_plumbing():
     """``benchmarks/gpu_check.py --dry-run`` on the CPU: every check runs, and each way 2
     processes sum (Gloo; under mpirun the private group, the custom op over MPI and over
     Horovod), and the private group at 1 rank, equals one process on the whole batch, and
-    the profiler counts a layer step's launches, so the GPU check is not first run on a GPU."""
+    the profiler counts a layer step's launches, and torch's own SyncBN Function runs in
+    its columns (through the CPU stand-ins), so the GPU check is not first run on a GPU."""
     out = subprocess.run([sys.executable, "benchmarks/gpu_check.py", "--dry-run"], cwd=ROOT, env=clean_env(),
                          capture_output=True, text=True, timeout=TIMEOUT_S)
     assert out.returncode == 0, f"gpu_check exited {out.returncode}:\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}"
@@ -193,4 +194,6 @@ def test_gpu_check_dry_run_checks_its_plumbing():
     summed = [r.split(" | ")[1] for r in rows if "| ok: max diff" in r]
     assert len(summed) == 5 and any("Horovod" in s for s in summed) and any("private group" in s for s in summed), rows
     assert any(r.startswith("| private group, 1 rank | ") for r in rows), rows
-    assert any(r.startswith("| launches per layer step | ") and "native" in r and "composite" in r for r in rows), rows
+    assert any(r.startswith("| launches per layer step | ") and all(f"{k} " in r for k in ("native", "composite", "torch"))
+               for r in rows), rows
+    assert any(r.startswith("| training step vs torch's SyncBN | ") and "torch's" in r for r in rows), rows

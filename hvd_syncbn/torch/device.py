@@ -107,14 +107,11 @@ def global_stats(out: Tensor, fwd: Lanes, plan: Plan) -> Tuple[Tensor, Tensor, T
     Seven ops, and two for ``invstd``."""
     heads = len(fwd.expected) - 2
     flags = torch.ne(out[:heads + 2], fwd.expected_t)  # [header mismatch (H), N != 1, True]
-    count = out[heads]
-    if heads:
-        count = torch.where(flags[:heads].any(), fwd.nan, count)
+    count = torch.where(flags[:heads].any(), fwd.nan, out[heads]) if heads else out[heads]
     if plan.check_finite:  # an empty global batch: zero statistics, which check_finite sees as finite
         count = count.clamp_max(-1.0)
-    channels = layout.channels_of(out.numel(), heads, "fwd")
-    moments = out.as_strided((2, channels), (channels, 1), out.storage_offset() + heads + 1) / count  # [mean, E[x²]]
-    mean, square = moments[0], moments[1]
+    moments = out[heads + 1:].view(2, -1) / count  # [mean, E[x²]]
+    mean, square = moments.unbind()
     square.addcmul_(mean, mean, value=-1.0).clamp_min_(0.0)  # biased var
     if plan.check_finite:
         flags = torch.cat([flags, torch.isfinite(moments).all().logical_not().view(1)])
