@@ -246,7 +246,7 @@ class Checks(Protocol):
         """``values``, ordered after the checks (graph frameworks) or as they are."""
 
 
-class Step(NamedTuple):
+class Setup(NamedTuple):
     """What a framework path hands the driver: its ops, kernels, summing allreduce,
     check policy, and the layer's ``eps`` and name."""
 
@@ -258,7 +258,7 @@ class Step(NamedTuple):
     name: str
 
 
-def forward(step: Step, parts: Sequence[Tensor], scale: Optional[Tensor], offset: Optional[Tensor],
+def forward(setup: Setup, parts: Sequence[Tensor], scale: Optional[Tensor], offset: Optional[Tensor],
             check_finite: bool = False, affine: Optional[Callable] = None) -> Tuple[list, Tuple, Any]:
     """Normalise every part (rows of this process) with the statistics of all parts on
     every rank: local moments, one allreduce, the checks, normalise.
@@ -270,20 +270,20 @@ def forward(step: Step, parts: Sequence[Tensor], scale: Optional[Tensor], offset
     variance biased; ``count`` ``(1,)``) and the kernels' prepared statistics, for
     :func:`backward`.
     """
-    xp, kernels = step.xp, step.kernels
+    xp, kernels = setup.xp, setup.kernels
     local = [pack_moments(xp, *kernels.moments(x)) for x in parts]
-    total, mean, var = unpack_moments(xp, step.reduce(_add(local), "fwd"))
-    step.checks.require(total[0] != 1, "single_row", single_row_message(step.name))
+    total, mean, var = unpack_moments(xp, setup.reduce(_add(local), "fwd"))
+    setup.checks.require(total[0] != 1, "single_row", single_row_message(setup.name))
     if check_finite:
-        step.checks.require(xp.all_finite(mean) & xp.all_finite(var), "non_finite", non_finite_message(step.name))
-    total, mean, var = step.checks.after([total, mean, var])
+        setup.checks.require(xp.all_finite(mean) & xp.all_finite(var), "non_finite", non_finite_message(setup.name))
+    total, mean, var = setup.checks.after([total, mean, var])
     if affine is not None:
         scale, offset = affine(mean, var)
     stats = kernels.prepare(mean, var)
     return [kernels.normalize(x, stats, scale, offset) for x in parts], (total, mean, var), stats
 
 
-def backward(step: Step, dys: Sequence[Tensor], parts: Sequence[Tensor], count: Tensor, var: Tensor, stats: Any,
+def backward(setup: Setup, dys: Sequence[Tensor], parts: Sequence[Tensor], count: Tensor, var: Tensor, stats: Any,
              scale: Optional[Tensor], input_grad: bool = True) -> Tuple[Optional[list], Tensor, Tensor]:
     """The input gradients with the statistics as constants: local sums, one allreduce,
     ``dx = k·dy + s·x̂ + t`` (:func:`input_grad_coeffs`). ``scale``: the ``γ`` applied to
@@ -292,13 +292,13 @@ def backward(step: Step, dys: Sequence[Tensor], parts: Sequence[Tensor], count: 
     Returns ``(dxs or None, Σdy, Σdy·x̂)``, the sums over this process's parts (``dβ``
     and ``dγ``: they stay local).
     """
-    xp, kernels = step.xp, step.kernels
+    xp, kernels = setup.xp, setup.kernels
     sums = [kernels.grad_sums(dy, x, stats, scale) for dy, x in zip(dys, parts)]
     sum_dy, sum_dy_xhat = _add([s[0] for s in sums]), _add([s[1] for s in sums])
     if not input_grad:
         return None, sum_dy, sum_dy_xhat
-    g_dy, g_dy_xhat = sync_grad_sums(xp, step.reduce, sum_dy, sum_dy_xhat)
-    coeffs = input_grad_coeffs(xp, count, xp.rsqrt(var + step.eps), scale, g_dy, g_dy_xhat)
+    g_dy, g_dy_xhat = sync_grad_sums(xp, setup.reduce, sum_dy, sum_dy_xhat)
+    coeffs = input_grad_coeffs(xp, count, xp.rsqrt(var + setup.eps), scale, g_dy, g_dy_xhat)
     dxs = [kernels.input_grad(dy, x, stats, coeffs, kept) for dy, x, (_, _, kept) in zip(dys, parts, sums)]
     return dxs, sum_dy, sum_dy_xhat
 

@@ -159,15 +159,15 @@ def _sync_normalize(
     anything downstream runs.
     """
     weight = None if mask is None else tf.cast(mask, xs[0].dtype)
-    step = backend.Step(TF_OPS, choose_kernels(xs, axes, epsilon, weight), reduce, checks, epsilon, name)
+    setup = backend.Setup(TF_OPS, choose_kernels(xs, axes, epsilon, weight), reduce, checks, epsilon, name)
     parts = len(xs)
     params = [t if t.shape.rank == 1 else tf.reshape(t, [-1]) for t in (gamma, beta) if t is not None]
-    op = _normalize_op(step, parts, gamma is not None, beta is not None, check_finite, renorm, name)
+    op = _normalize_op(setup, parts, gamma is not None, beta is not None, check_finite, renorm, name)
     out = op(*xs, *params)
     return list(out[:parts]), out[parts], out[parts + 1], out[parts + 2]
 
 
-def _normalize_op(step: backend.Step, parts: int, has_gamma: bool, has_beta: bool, check_finite: bool,
+def _normalize_op(setup: backend.Setup, parts: int, has_gamma: bool, has_beta: bool, check_finite: bool,
                   renorm: Optional[Callable], name: str) -> Callable:
     """:func:`_sync_normalize`'s op, ``op(*xs, *params) -> (*ys, mean, variance, count)``
     (``params``: ``γ`` and ``β`` as flat vectors, those given), with its hand-written gradient."""
@@ -179,11 +179,11 @@ def _normalize_op(step: backend.Step, parts: int, has_gamma: bool, has_beta: boo
         b = params[-1] if has_beta else None
         applied: dict = {}
         affine = None if renorm is None else _renorm_affine(renorm, g, b, applied)
-        ys, (count, mean, var), stats = backend.forward(step, xs, g, b, check_finite, affine)
+        ys, (count, mean, var), stats = backend.forward(setup, xs, g, b, check_finite, affine)
 
         def grad(*upstream):  # d(mean), d(variance), d(count) are not differentiated
             scale = applied.get("scale", g)
-            dxs, sum_dy, sum_dy_xhat = backend.backward(step, upstream[:parts], xs, count, var, stats,
+            dxs, sum_dy, sum_dy_xhat = backend.backward(setup, upstream[:parts], xs, count, var, stats,
                                                         None if scale is None else TF_OPS.wide(scale))
             dparams = _param_grads(g, b, applied if renorm is not None else None, sum_dy, sum_dy_xhat)
             return _first_order(name, *dxs, *(tf.cast(d, p.dtype) for d, p in zip(dparams, params)))
