@@ -107,12 +107,18 @@ def update_stats(x, running_mean, running_var, momentum):
     check_input(op, x)
     xd = x.double()
     var, mean = torch.var_mean(xd, dims(x), correction=0)
-    if running_mean is not None:
-        n = x.numel() // x.shape[1]
-        with torch.no_grad():
-            running_mean.copy_(running_mean.double() * (1 - momentum) + mean * momentum)
-            running_var.copy_(running_var.double() * (1 - momentum) + var * (n / (n - 1)) * momentum)
+    n = x.numel() // x.shape[1]
+    running_update(running_mean, running_var, mean, var * n / (n - 1), momentum)  # a tensor: n = 1 gives inf
     return mean.to(acc), var.to(acc)
+
+
+def running_update(running_mean: Optional[Tensor], running_var: Optional[Tensor], mean: Tensor, unbiased: Tensor,
+                   momentum: float) -> None:
+    """The kernels' running update, each buffer given: ``(1 − momentum)·old + momentum·new``."""
+    with torch.no_grad():
+        for buf, new in ((running_mean, mean), (running_var, unbiased)):
+            if buf is not None:
+                buf.copy_(buf.double() * (1 - momentum) + new * momentum)
 
 
 def elemt(x, weight, bias, mean, invstd, eps):
@@ -192,11 +198,7 @@ def gather_stats_with_counts(x, mean_all, invstd_all, running_mean, running_var,
     total = n.sum(0)
     mean = (n * mean_all.double()).sum(0) / total
     var_n = (n * (invstd_all.double() ** -2 - eps + (mean_all.double() - mean) ** 2)).sum(0)
-    with torch.no_grad():
-        if running_mean is not None:
-            running_mean.copy_(running_mean.double() * (1 - momentum) + mean * momentum)
-        if running_var is not None:
-            running_var.copy_(running_var.double() * (1 - momentum) + var_n / (total - 1) * momentum)
+    running_update(running_mean, running_var, mean, var_n / (total - 1), momentum)
     return mean.to(mean_all.dtype), (var_n / total + eps).rsqrt().to(mean_all.dtype)
 
 

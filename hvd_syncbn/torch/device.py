@@ -21,9 +21,11 @@ The buffers are :mod:`hvd_syncbn.layout`'s, one per layer, step and direction::
   statistics that nothing reads (with ``check_finite`` the count is clamped at ``−1``:
   zeros).
 - ``s`` is the composite set's ``invstd``, the native set's 1; each set turns the global
-  sums divided by ``−N`` into ``dx``. Flags (header mismatch per header value, a global batch of one row, the
-step, non-finite statistics with ``check_finite``) go to :mod:`hvd_syncbn.torch.deferred`
-or raise at the step.
+  sums divided by ``−N`` into ``dx``.
+
+Flags (header mismatch per header value, a global batch of one row, the step, non-finite
+statistics with ``check_finite``) go to :mod:`hvd_syncbn.torch.deferred` or raise at the
+step.
 """
 
 from __future__ import annotations

@@ -9,8 +9,7 @@
 - :class:`GroupReducer`: over ``torch.distributed``, an allreduce on SyncBN's own group
   (NCCL for CUDA tensors, Gloo on the CPU) with SyncBN's timeout, under
   ``torch.compile`` a functional one in the custom op ``hvd_syncbn::group_allreduce``;
-  a failed collective
-  is diagnosed over the side channel. Its header is static (no step), in the buffer the
+  a failed collective is diagnosed over the side channel. Its header is static (no step), in the buffer the
   step builds and checks (:mod:`hvd_syncbn.torch.device`); a mismatch makes the step's
   output NaN and sets a flag, raised at the step (:meth:`diagnose`) or by
   :func:`~hvd_syncbn.torch.check`.
@@ -27,6 +26,7 @@ import time
 from typing import List, NamedTuple, Optional, Tuple
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 from hvd_syncbn.comm import Join, allreduce, poison, prepend
@@ -181,7 +181,7 @@ def summed(comm: Communicator, identity: Identity, buf: Tensor, direction: str, 
     since = time.monotonic()
     try:
         if not traced:
-            comm.group.allreduce([buf]).wait()
+            comm.group.allreduce([buf], op=dist.ReduceOp.SUM).wait()
             return buf
         # The functional collective's own ops, below autograd (its caller is an op): the
         # ops' Python autograd kernel took two thirds of their host time.
