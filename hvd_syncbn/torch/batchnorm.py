@@ -219,8 +219,8 @@ class SyncBatchNorm(_BatchNorm):
         return comm if comm is not None and comm.size > 1 else None
 
     def _reducer(self, x: Tensor, comm: Communicator) -> Any:
-        """How this call's buffers are summed: an allreduce on SyncBN's own group
-        (``torch.distributed``) or a call of the transport (Horovod, MPI)."""
+        """How this call's buffers are summed: a functional collective (``torch.distributed``)
+        or the custom op (Horovod, MPI)."""
         identity = Identity.of(self.layer_name, self.num_features, x, kernels_for(x.device).name)
         return GroupReducer(comm, identity) if comm.traceable else OpReducer(comm, identity, x.device)
 

@@ -143,7 +143,7 @@ def build(over: Communicator) -> Tuple[dist.ProcessGroup, dist.Store]:
 
     The store waits by :func:`hvd_syncbn.settings.get_timeout`; the broadcast and the group
     also wait :func:`hvd_syncbn.settings.compile_timeout` more, as a peer may still be
-    compiling (a collective waits by the group's timeout).
+    compiling (a functional collective waits by the group's timeout).
     """
     rank, size = over.rank, over.size
     timeout = get_timeout()

@@ -116,7 +116,7 @@ class Counted(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        if not func.is_view and func.namespace not in ("c10d", "_c10d_functional"):
+        if not func.is_view and func.namespace != "_c10d_functional":
             self.ops.append(str(func).replace("aten.", ""))
             tensors = [t for t in torch.utils._pytree.tree_leaves((args, kwargs, out)) if isinstance(t, torch.Tensor)]
             self.touches += len({(t.data_ptr(), t.shape, t.stride()) for t in tensors if t.numel() == self.size})
