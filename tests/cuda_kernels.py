@@ -23,12 +23,18 @@ dtype: float32 for half, bfloat16 and float32 input, float64 for float64):
   ``(dy − sum_dy/n − (x − mean)·invstd²·sum_dy_xmu/n)·invstd·γ`` with ``n`` the sum of
   the int32 ``count`` (one entry per rank, in torch's SyncBN).
 
-They raise where a CUDA kernel refuses its arguments (a dtype its accessors do not take,
-``mean`` and ``invstd`` of different dtypes, a non-int32 count) or would go wrong without
-saying so (an empty input, which a channels-last kernel launches as an empty grid; an
-``x`` whose layout differs from ``dy``'s where the elementwise backward picks its
-channels-last kernel by ``dy``'s and reads ``x`` in it). There is no Meta kernel, as on
-CUDA: under ``torch.compile`` the layer must not hand these ops to fake tensors.
+Each op's CUDA contract is one function of :data:`CONTRACTS` (also those of the two
+kernels with CPU twins that SyncBN's composite set calls, ``native_batch_norm_backward``
+and ``_native_batch_norm_legit_no_training``, whose CUDA kernels refuse more than the
+CPU's): it raises where a CUDA kernel refuses its arguments (a dtype its accessors do
+not take, ``mean`` and ``invstd`` of different dtypes, a non-int32 count, gradients of
+``γ`` and ``β`` asked for without ``γ``) or would go wrong without saying so (an empty
+input, which a channels-last kernel launches as an empty grid; an ``x`` whose layout
+differs from ``dy``'s where the elementwise backward picks its channels-last kernel by
+``dy``'s and reads ``x`` in it; the channels-last reduction's ``(0,)``-shaped gradients
+without ``γ``). The stand-ins check it first; the fake-CUDA tier (``fake_cuda.py``)
+checks it on every call of fake CUDA tensors. There is no Meta kernel here, as on CUDA:
+under ``torch.compile`` the layer must not hand these ops to fake tensors.
 
 Use :func:`registered` as a context manager, or :func:`chosen` (the ``kernels`` fixture's).
 """
@@ -101,10 +107,17 @@ def channels_last_kernels(t: Tensor) -> bool:
         t.is_contiguous() and t.stride(1) == 1)
 
 
-def update_stats(x, running_mean, running_var, momentum):
+def update_stats_contract(x, running_mean=None, running_var=None, momentum=0.0) -> torch.dtype:
     op = "batch_norm_update_stats"
     acc = acc_of(op, x)
     check_input(op, x)
+    if (running_mean is None) != (running_var is None):
+        raise RuntimeError(f"{op}: expected running_mean and running_var both or neither")
+    return acc
+
+
+def update_stats(x, running_mean, running_var, momentum):
+    acc = update_stats_contract(x, running_mean, running_var, momentum)
     xd = x.double()
     var, mean = torch.var_mean(xd, dims(x), correction=0)
     n = x.numel() // x.shape[1]
@@ -121,12 +134,17 @@ def running_update(running_mean: Optional[Tensor], running_var: Optional[Tensor]
                 buf.copy_(buf.double() * (1 - momentum) + new * momentum)
 
 
-def elemt(x, weight, bias, mean, invstd, eps):
+def elemt_contract(x, weight, bias, mean, invstd, eps=0.0) -> torch.dtype:
     op = "batch_norm_elemt"
     acc = acc_of(op, x)
     check_input(op, x)
     check_stats(op, acc, mean, invstd)
     check_params(op, x, acc, weight, bias)
+    return acc
+
+
+def elemt(x, weight, bias, mean, invstd, eps):
+    elemt_contract(x, weight, bias, mean, invstd, eps)
     y = (x.double() - channel(mean, x)) * channel(invstd, x)
     if weight is not None:
         y = y * channel(weight, x)
@@ -145,12 +163,21 @@ def check_backward(op: str, dy: Tensor, x: Tensor, mean: Tensor, invstd: Tensor)
     return acc
 
 
-def backward_reduce(dy, x, mean, invstd, weight, input_g, weight_g, bias_g):
-    op = "batch_norm_backward_reduce"
+def backward_reduce_contract(dy, x, mean, invstd, weight, input_g=True, weight_g=False, bias_g=False,
+                             op: str = "batch_norm_backward_reduce") -> torch.dtype:
     acc = check_backward(op, dy, x, mean, invstd)
     check_params(op, x, acc, weight)
     if (weight_g or bias_g) and weight is None:
-        raise RuntimeError(f"{op}: the gradients of weight and bias take weight's dtype: expected a weight")
+        if channels_last_kernels(dy) and channels_last_kernels(x):
+            raise RuntimeError(f"{op}: the gradients of weight and bias asked for without a weight: CUDA's "
+                               f"channels-last kernel returns them (0,)-shaped; expected a weight")
+        raise RuntimeError(f"{op}: tensor does not have a device (CUDA makes the gradients of weight and bias with "
+                           f"weight's options: expected a weight where they are asked for)")
+    return acc
+
+
+def backward_reduce(dy, x, mean, invstd, weight, input_g, weight_g, bias_g):
+    backward_reduce_contract(dy, x, mean, invstd, weight, input_g, weight_g, bias_g)
     centred = x.double() - channel(mean, x)
     sum_dy = dy.double().sum(dims(x))
     sum_dy_xmu = (dy.double() * centred).sum(dims(x))
@@ -160,7 +187,7 @@ def backward_reduce(dy, x, mean, invstd, weight, input_g, weight_g, bias_g):
             sum_dy.to(weight.dtype) if bias_g else None)
 
 
-def backward_elemt(dy, x, mean, invstd, weight, sum_dy, sum_dy_xmu, count):
+def backward_elemt_contract(dy, x, mean, invstd, weight, sum_dy, sum_dy_xmu, count) -> torch.dtype:
     op = "batch_norm_backward_elemt"
     acc = check_backward(op, dy, x, mean, invstd)
     for name, t in (("sum_dy", sum_dy), ("sum_dy_xmu", sum_dy_xmu)):
@@ -171,6 +198,11 @@ def backward_elemt(dy, x, mean, invstd, weight, sum_dy, sum_dy_xmu, count):
     if channels_last_kernels(dy) and layout(x) != layout(dy):
         raise RuntimeError(f"{op}: grad_output takes the channels-last kernel, which reads input in its layout: "
                            f"expected input with strides {dy.stride()}, got {x.stride()}")
+    return acc
+
+
+def backward_elemt(dy, x, mean, invstd, weight, sum_dy, sum_dy_xmu, count):
+    backward_elemt_contract(dy, x, mean, invstd, weight, sum_dy, sum_dy_xmu, count)
     n = count.sum(dtype=torch.int64).double()
     inv = channel(invstd, x)
     dx = (dy.double() - channel(sum_dy, x) / n - (x.double() - channel(mean, x)) * inv * inv
@@ -180,26 +212,72 @@ def backward_elemt(dy, x, mean, invstd, weight, sum_dy, sum_dy_xmu, count):
     return dx.to(x.dtype).contiguous(memory_format=suggest_memory_format(dy))
 
 
-def stats(x, eps):
+def stats_contract(x, eps=0.0) -> torch.dtype:
     op = "batch_norm_stats"
     acc = acc_of(op, x)
     check_input(op, x)
+    return acc
+
+
+def stats(x, eps):
+    acc = stats_contract(x, eps)
     var, mean = torch.var_mean(x.double(), dims(x), correction=0)
     return mean.to(acc), (var + eps).rsqrt().to(acc)
+
+
+def gather_stats_contract(x, mean_all, invstd_all, running_mean=None, running_var=None, momentum=0.0, eps=0.0,
+                          counts=None) -> torch.dtype:
+    op = "batch_norm_gather_stats_with_counts"
+    check_stats(op, mean_all.dtype, mean_all, invstd_all)
+    return mean_all.dtype
 
 
 def gather_stats_with_counts(x, mean_all, invstd_all, running_mean, running_var, momentum, eps, counts):
     """The ranks' ``(mean, invstd)`` rows of ``counts`` rows each combined: the global
     ``(mean, invstd)``, and the running update with the unbiased variance (no guard: a
     zero total count divides by zero, as on CUDA)."""
-    op = "batch_norm_gather_stats_with_counts"
-    check_stats(op, mean_all.dtype, mean_all, invstd_all)
+    gather_stats_contract(x, mean_all, invstd_all, running_mean, running_var, momentum, eps, counts)
     n = counts.double()[:, None]  # (W, 1)
     total = n.sum(0)
     mean = (n * mean_all.double()).sum(0) / total
     var_n = (n * (invstd_all.double() ** -2 - eps + (mean_all.double() - mean) ** 2)).sum(0)
     running_update(running_mean, running_var, mean, var_n / (total - 1), momentum)
     return mean.to(mean_all.dtype), (var_n / total + eps).rsqrt().to(mean_all.dtype)
+
+
+def native_backward_contract(dy, x, weight, running_mean, running_var, save_mean, save_invstd, train, eps,
+                             mask) -> torch.dtype:
+    """``native_batch_norm_backward`` on CUDA (``batch_norm_backward_cuda``): in training,
+    or where the gradients of ``γ`` and ``β`` are asked for, the gradient sums of
+    :func:`backward_reduce_contract` from the saved statistics (the fused kernel, where
+    ``dx`` is asked for of a channels-first input, reads them alike)."""
+    op = "native_batch_norm_backward"
+    if save_mean is None or save_invstd is None:
+        raise RuntimeError(f"{op}: save_mean and save_invstd should always be defined")
+    if not (train or mask[1] or mask[2]):
+        return acc_of(op, x)
+    return backward_reduce_contract(dy, x, save_mean, save_invstd, weight, mask[0], mask[1], mask[2], op=op)
+
+
+def no_training_contract(x, weight, bias, running_mean, running_var, momentum=0.0, eps=0.0) -> torch.dtype:
+    """``_native_batch_norm_legit_no_training`` on CUDA (``batch_norm_cuda``, not training):
+    the running statistics given; ``γ`` and ``β`` as :func:`batch_norm_elemt`'s."""
+    op = "_native_batch_norm_legit_no_training"
+    acc = acc_of(op, x)
+    if running_mean is None or running_var is None:
+        raise RuntimeError(f"{op}: expected running_mean and running_var")
+    check_params(op, x, acc, weight, bias)
+    return acc
+
+
+CONTRACTS = {"batch_norm_update_stats": update_stats_contract, "batch_norm_elemt": elemt_contract,
+             "batch_norm_backward_reduce": backward_reduce_contract,
+             "batch_norm_backward_elemt": backward_elemt_contract, "batch_norm_stats": stats_contract,
+             "batch_norm_gather_stats_with_counts": gather_stats_contract,
+             "native_batch_norm_backward": native_backward_contract,
+             "_native_batch_norm_legit_no_training": no_training_contract}
+"""What each CUDA kernel SyncBN calls accepts, by aten op name: a function of the op's
+arguments that raises outside the contract and returns the accumulation dtype."""
 
 
 STAND_INS = {"batch_norm_update_stats": update_stats, "batch_norm_elemt": elemt,
