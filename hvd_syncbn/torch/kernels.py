@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import os
+import weakref
 from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch
@@ -27,18 +28,24 @@ from torch._prims_common import suggest_memory_format
 NAN = float("nan")
 
 _cache: Dict[Any, Tensor] = {}
+_fake_caches: "weakref.WeakKeyDictionary[Any, Dict[Any, Tensor]]" = weakref.WeakKeyDictionary()
+_MODES = torch._C._TorchDispatchModeKey
 
 
 def cached(key: Any, make: Callable[[], Tensor]) -> Tensor:
     """A constant tensor, made by ``make`` once per process and ``key`` and reused by
-    every later step; under ``torch.compile`` made in the graph (a constant there), and
-    under a ``FakeTensorMode`` (shape propagation) made fake, each time."""
-    if torch.compiler.is_compiling() or torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is not None:
+    every later step; under ``torch.compile`` or a tracer (``make_fx``, ``torch.export``)
+    made in the graph (a constant there), each time; under a ``FakeTensorMode`` alone
+    made fake, once per mode (a fake tensor belongs to its mode)."""
+    get_mode = torch._C._get_dispatch_mode
+    if torch.compiler.is_compiling() or get_mode(_MODES.PROXY) is not None or get_mode(_MODES.FUNCTIONAL) is not None:
         return make()
-    found = _cache.get(key)
+    fake = get_mode(_MODES.FAKE)
+    cache = _cache if fake is None else _fake_caches.setdefault(fake, {})
+    found = cache.get(key)
     if found is None:
         with torch.inference_mode(False):  # usable by later steps outside inference mode
-            found = _cache[key] = make()
+            found = cache[key] = make()
     return found
 
 
@@ -66,12 +73,13 @@ def cast(t: Optional[Tensor], dtype: torch.dtype) -> Optional[Tensor]:
 
 
 def constant(values: Tuple[float, ...], device: torch.device, dtype: torch.dtype = torch.float64) -> Tensor:
-    """``values`` as a ``dtype`` tensor on ``device``, by fills (no copy from host memory)."""
+    """``values`` as a ``dtype`` tensor on ``device``, by fills: no copy from host memory
+    (``t[i] = v`` is one on CUDA, from a CPU scalar, and a sync)."""
 
     def make() -> Tensor:
         t = torch.empty(len(values), dtype=dtype, device=device)
         for i, v in enumerate(values):
-            t[i] = v
+            t[i].fill_(v)
         return t
 
     key = tuple("nan" if v != v else v for v in values)  # NaN equals nothing, itself included: not as a key
