@@ -127,8 +127,10 @@ class Composite:
 
     @staticmethod
     def acc(x: Tensor, params: torch.dtype) -> torch.dtype:
-        """The statistics' dtype: the layer's (``params``)."""
-        return params
+        """The statistics' dtype: on the CPU the layer's (``params``); elsewhere the
+        accumulation dtype of ``x`` (:meth:`Native.acc`), the only one CUDA's batch-norm
+        kernels take for the statistics."""
+        return params if x.device.type == "cpu" else Native.acc(x, params)
 
     @staticmethod
     def local(x: Tensor, seed: Tensor, acc: torch.dtype) -> Tensor:
@@ -136,7 +138,9 @@ class Composite:
         ``shift`` this rank's mean in ``acc``, by the native backward kernel with ``dy = x =
         c``, mean 0 and invstd −1 (``−Σc²`` and ``Σ(shift − x)`` in one fused pass: on the
         CPU 5-18x ``var_mean``'s speed); other layouts (whose CPU kernel sums less exactly):
-        ``var_mean`` of ``x − shift``, ``shift`` one row of ``x``."""
+        ``var_mean`` of ``x − shift``, ``shift`` one row of ``x``. The kernel is given ``γ = 1``:
+        CUDA's makes the gradients of ``γ`` and ``β`` with ``γ``'s options (and its
+        channels-last kernel returns them ``(0,)``-shaped without it)."""
         rows, channels = x.numel() // x.shape[1], x.shape[1]
         if rows == 0:  # zeros that depend on x, so that a compiler keeps the collective after the data
             shift = mean = var = x.sum(reduced_dims(x))
@@ -147,7 +151,8 @@ class Composite:
             minus = cached(("invstd -1", channels, acc, x.device), lambda: torch.full((channels,), -1.0, dtype=acc,
                                                                                    device=x.device))
             _, neg_squares, neg_sum = torch.ops.aten.native_batch_norm_backward(
-                c, c, None, None, None, zeros, minus, True, 0.0, [False, True, True])  # −Σc², Σ(shift − x)
+                c, c, ones(channels, acc, x.device), None, None, zeros, minus, True, 0.0,
+                [False, True, True])  # −Σc², Σ(shift − x)
             return sums_buffer(seed, neg_sum, neg_squares, rows, shift)
         else:
             shift = cast(x[(0, slice(None)) + (0,) * (x.dim() - 2)], acc)  # (C,)
