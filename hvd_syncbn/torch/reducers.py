@@ -5,7 +5,7 @@
   step-counted identity header, checked on the host, the deadline, the diagnosis);
   under ``torch.compile`` in the custom op ``hvd_syncbn::allreduce``, which it keeps
   opaque. CUDA buffers go to the transport as they are where it reads device memory
-  (``device_buffers``), else through one copy into pinned host memory.
+  (``device_buffers``), else through one copy to host memory and one back.
 - :class:`GroupReducer`: over ``torch.distributed``, a functional collective on SyncBN's
   own group (NCCL for CUDA tensors, Gloo on the CPU) with SyncBN's timeout, in the
   custom op ``hvd_syncbn::group_allreduce`` under ``torch.compile``; a failed collective
@@ -96,11 +96,8 @@ def host_summed(comm: Communicator, identity: Identity, buf: Tensor, direction: 
     timeout = collective_timeout(traced and call.step == 0)
     join = joiner(comm, buf.device)
     payload = buf.detach()
-    if join is prepend:  # host memory: a CUDA buffer crosses once, into pinned memory
-        payload = payload.to("cpu", non_blocking=True)
-        if buf.is_cuda:
-            torch.cuda.current_stream(buf.device).synchronize()
-        payload = payload.numpy()
+    if join is prepend:  # host memory: a CUDA buffer crosses once, a copy that waits for the device
+        payload = payload.cpu().numpy()
     out = allreduce(comm, payload, call, timeout, join=join)
     return torch.as_tensor(out).to(buf.device, non_blocking=True)
 
