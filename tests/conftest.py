@@ -28,6 +28,7 @@ MARKERS = {
     "multihost": "ranks on 2 emulated hosts (network namespaces; needs root and iproute2)",
     "image": "builds the container image (launch/image.sh, as root) and runs in it",
     "slow": "takes a minute or more on a 2-core machine",
+    "fake_cuda": "the PyTorch GPU path on fake CUDA tensors, no GPU (fake_cuda_tier.py, in a process of its own)",
 }
 
 
