@@ -37,11 +37,16 @@ def cached(key: Any, make: Callable[[], Tensor]) -> Tensor:
     every later step; under ``torch.compile`` or a tracer (``make_fx``, ``torch.export``)
     made in the graph (a constant there), each time; under a ``FakeTensorMode`` alone
     made fake, once per mode (a fake tensor belongs to its mode)."""
-    get_mode = torch._C._get_dispatch_mode
-    if torch.compiler.is_compiling() or get_mode(_MODES.PROXY) is not None or get_mode(_MODES.FUNCTIONAL) is not None:
+    if torch.compiler.is_compiling():
         return make()
-    fake = get_mode(_MODES.FAKE)
-    cache = _cache if fake is None else _fake_caches.setdefault(fake, {})
+    cache = _cache
+    if torch._C._len_torch_dispatch_stack():  # under a dispatch mode: a tracer's, fake tensors' or another
+        get_mode = torch._C._get_dispatch_mode
+        if get_mode(_MODES.PROXY) is not None or get_mode(_MODES.FUNCTIONAL) is not None:
+            return make()
+        fake = get_mode(_MODES.FAKE)
+        if fake is not None:
+            cache = _fake_caches.setdefault(fake, {})
     found = cache.get(key)
     if found is None:
         with torch.inference_mode(False):  # usable by later steps outside inference mode
