@@ -28,7 +28,8 @@ kernels with CPU twins that SyncBN's composite set calls, ``native_batch_norm_ba
 and ``_native_batch_norm_legit_no_training``, whose CUDA kernels refuse more than the
 CPU's): it raises where a CUDA kernel refuses its arguments (a dtype its accessors do
 not take, ``mean`` and ``invstd`` of different dtypes, a non-int32 count, gradients of
-``γ`` and ``β`` asked for without ``γ``) or would go wrong without saying so (an empty
+``γ`` and ``β`` asked for without ``γ``) or would go wrong without saying so (a
+per-channel tensor not of ``(C,)``, read past its end; ``dy`` not of ``x``'s shape; an empty
 input, which a channels-last kernel launches as an empty grid; an ``x`` whose layout
 differs from ``dy``'s where the elementwise backward picks its channels-last kernel by
 ``dy``'s and reads ``x`` in it; the channels-last reduction's ``(0,)``-shaped gradients
@@ -71,8 +72,17 @@ def check_dtype(op: str, name: str, t: Optional[Tensor], *dtypes: torch.dtype) -
         raise RuntimeError(f"{op}: Expected {name} to have type {dtypes[0]} but got {t.dtype}")
 
 
+def check_channels(op: str, x: Tensor, **per_channel: Optional[Tensor]) -> None:
+    """Each given tensor of ``(C,)`` for ``x`` of ``(N, C, *)``: a kernel indexes it by channel
+    (a shorter one is read past its end, without an error)."""
+    for name, t in per_channel.items():
+        if t is not None and tuple(t.shape) != (x.shape[1],):
+            raise RuntimeError(f"{op}: expected {name} of shape ({x.shape[1]},), got {tuple(t.shape)}")
+
+
 def check_params(op: str, x: Tensor, acc: torch.dtype, *params: Optional[Tensor]) -> None:
-    """γ and β: in the input's dtype, or all in its accumulation dtype ("mixed")."""
+    """γ and β: ``(C,)``, in the input's dtype, or all in its accumulation dtype ("mixed")."""
+    check_channels(op, x, **dict(zip(("weight", "bias"), params)))
     first = next((p for p in params if p is not None), None)
     if first is None:
         return
@@ -139,6 +149,7 @@ def elemt_contract(x, weight, bias, mean, invstd, eps=0.0) -> torch.dtype:
     acc = acc_of(op, x)
     check_input(op, x)
     check_stats(op, acc, mean, invstd)
+    check_channels(op, x, mean=mean, invstd=invstd)
     check_params(op, x, acc, weight, bias)
     return acc
 
@@ -159,7 +170,10 @@ def check_backward(op: str, dy: Tensor, x: Tensor, mean: Tensor, invstd: Tensor)
     acc = acc_of(op, x)
     check_input(op, x)
     check_dtype(op, "grad_output", dy, x.dtype)
+    if dy.shape != x.shape:
+        raise RuntimeError(f"{op}: expected grad_output of input's shape {tuple(x.shape)}, got {tuple(dy.shape)}")
     check_stats(op, acc, mean, invstd)
+    check_channels(op, x, mean=mean, invstd=invstd)
     return acc
 
 
@@ -192,9 +206,12 @@ def backward_elemt_contract(dy, x, mean, invstd, weight, sum_dy, sum_dy_xmu, cou
     acc = check_backward(op, dy, x, mean, invstd)
     for name, t in (("sum_dy", sum_dy), ("sum_dy_xmu", sum_dy_xmu)):
         check_dtype(op, name, t, acc)
+    check_channels(op, x, sum_dy=sum_dy, sum_dy_xmu=sum_dy_xmu, weight=weight)
     # the contiguous kernel takes a half input's γ in float32 only; the others the input's dtype
     check_dtype(op, "weight", weight, acc)
     check_dtype(op, "count", count, torch.int32)
+    if count.dim() != 1:
+        raise RuntimeError(f"{op}: expected a 1-D count (one entry per rank), got shape {tuple(count.shape)}")
     if channels_last_kernels(dy) and layout(x) != layout(dy):
         raise RuntimeError(f"{op}: grad_output takes the channels-last kernel, which reads input in its layout: "
                            f"expected input with strides {dy.stride()}, got {x.stride()}")

@@ -262,7 +262,8 @@ def test_planted_defects_in_the_layer_are_caught(fake, monkeypatch):
 def test_contracts_refuse_what_cuda_refuses(fake):
     """The CUDA kernels' contracts on fake CUDA tensors: the composite set's former call
     (no ``γ``, its gradients asked: both layouts), an int64 count, ``x`` in another layout
-    than ``dy`` for the channels-last backward, float32 statistics of float64 input."""
+    than ``dy`` for the channels-last backward, float32 statistics of float64 input,
+    statistics of another channel count."""
     x, dy = torch.randn(4, 3, 5, 5), torch.randn(4, 3, 5, 5)
     zeros, minus = torch.zeros(3), torch.full((3,), -1.0)
     for c in (x, torch.randn(8, 3)):
@@ -274,6 +275,8 @@ def test_contracts_refuse_what_cuda_refuses(fake):
     with pytest.raises(RuntimeError, match="reads input in its layout"):
         torch.batch_norm_backward_elemt(dy.contiguous(memory_format=torch.channels_last), x, zeros, minus, None,
                                         zeros, zeros, torch.tensor([-1], dtype=torch.int32))
+    with pytest.raises(RuntimeError, match=r"expected mean of shape \(3,\), got \(4,\)"):
+        torch.batch_norm_elemt(x, None, None, torch.zeros(4), torch.ones(4), 0.0)
     with pytest.raises(RuntimeError, match="Expected mean to have type torch.float64"):
         torch.ops.aten.native_batch_norm_backward(x.double(), x.double(), torch.ones(3), None, None, zeros, minus,
                                                   True, 0.0, [False, True, True])
