@@ -210,8 +210,8 @@ def backward_elemt_contract(dy, x, mean, invstd, weight, sum_dy, sum_dy_xmu, cou
     # the contiguous kernel takes a half input's γ in float32 only; the others the input's dtype
     check_dtype(op, "weight", weight, acc)
     check_dtype(op, "count", count, torch.int32)
-    if count.dim() != 1:
-        raise RuntimeError(f"{op}: expected a 1-D count (one entry per rank), got shape {tuple(count.shape)}")
+    if not count.is_contiguous():  # the kernels read count.numel() ints from its data pointer
+        raise RuntimeError(f"{op}: expected a contiguous count, got strides {count.stride()}")
     if channels_last_kernels(dy) and layout(x) != layout(dy):
         raise RuntimeError(f"{op}: grad_output takes the channels-last kernel, which reads input in its layout: "
                            f"expected input with strides {dy.stride()}, got {x.stride()}")
