@@ -1,7 +1,8 @@
 """How SyncBN's statistics buffers travel between ranks, with a deadline and an identity check.
 
 :func:`allreduce` sums a float64 buffer over a :class:`Communicator`'s ranks behind the
-identity header of :mod:`hvd_syncbn.identity`, waiting at most :func:`get_timeout`;
+identity header of :mod:`hvd_syncbn.identity`, waiting at most :func:`get_timeout` (and
+warning from :func:`~hvd_syncbn.settings.warn_after` on, :mod:`hvd_syncbn.waiting`);
 :func:`poison` joins the collective a rank owes when its own input is bad. On any
 failure every rank raises :class:`SyncBatchNormError` after the diagnosis of
 :mod:`hvd_syncbn.diagnosis`. The transports (Horovod, MPI and, for PyTorch,
@@ -29,6 +30,7 @@ from hvd_syncbn.errors import SyncBatchNormError, SyncBatchNormInputError
 from hvd_syncbn.identity import HEADER, Call, header
 from hvd_syncbn.settings import TIMEOUT_ENV, get_timeout
 from hvd_syncbn.stuck import wait_or_keep
+from hvd_syncbn.waiting import Waiting
 
 # Importable from here as before: the public names that users import from this module.
 from hvd_syncbn.communicator import LocalCommunicator  # noqa: F401,E402
@@ -54,16 +56,23 @@ def allreduce(comm: Communicator, payload: Any, call: Call, timeout: Optional[fl
     :func:`get_timeout`)."""
     head = header(call, comm.size)
     timeout, since = timeout or get_timeout(), time.monotonic()
+    waiting = Waiting(comm, call, since, timeout)
     try:
         handle = comm.start(join(head, payload), call.name)
-        if not wait_or_keep(comm, handle, since + timeout):
+        if not wait_or_keep(comm, handle, since + timeout, waiting):
             fail(comm, call, f"no match within {timeout:g} s ({TIMEOUT_ENV})", since=since, stuck=True)
         out = comm.result(handle)
     except SyncBatchNormError:
         raise
     except Exception as e:  # the transport's own error (e.g. Horovod's shape mismatch)
-        fail(comm, call, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}", since=since,
-             stuck=True)
+        reason = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        reset = comm.reset_error(e)
+        if reset is not None:  # an elastic engine resets the job: at once, recoverable
+            raise reset(f"SyncBatchNorm: {comm.kind} failed while rank {comm.rank} was in {call.where()}, "
+                        f"a collective its elastic mode recovers from (a worker left or failed): {reason}") from e
+        fail(comm, call, reason, since=since, stuck=True, cause=e)
+    finally:
+        waiting.end()
     got = tuple(out[:HEADER].tolist())  # numpy and tensors alike
     if got != (comm.size * head[0], comm.size * head[1]):
         fail(comm, call, "ranks summed different collectives", since=since)

@@ -60,9 +60,10 @@ class Communicator:
         """The summed buffer, of ``start``'s kind; raises if the transport failed."""
         raise NotImplementedError
 
-    def wait(self, handle: Any, deadline: float) -> bool:
+    def wait(self, handle: Any, deadline: float, waiting: Any = None) -> bool:
         """Until ``done`` (spinning ``spins`` polls first, then polling with sleeps, see
-        :func:`pause`); ``False`` at the ``time.monotonic()`` deadline."""
+        :func:`pause`); ``False`` at the ``time.monotonic()`` deadline. ``waiting``: a
+        :class:`~hvd_syncbn.waiting.Waiting` to check between the polls (it warns)."""
         for _ in range(self.spins):
             if self.done(handle):
                 return True
@@ -71,6 +72,8 @@ class Communicator:
             now = time.monotonic()
             if now > deadline:
                 return False
+            if waiting is not None:
+                waiting.check(now)
             time.sleep(min(pause(now - begin), max(0.0, deadline - now) + 1e-4))
         return True
 
@@ -78,8 +81,30 @@ class Communicator:
         """A channel for diagnostics that a stuck collective on this one cannot block."""
         return self
 
+    def mark_waiting(self, row: np.ndarray, key: str) -> Any:
+        """Say over this channel (a side channel) that this rank waits in the collective
+        ``key`` (:attr:`hvd_syncbn.identity.Call.key`; ``row``: its record, as the
+        diagnosis's), with no collective: a handle for :meth:`waiting`, or ``None`` where
+        the channel cannot (a collective would block on the ranks that have not come)."""
+        return None
+
+    def waiting(self, handle: Any) -> Dict[int, np.ndarray]:
+        """The records of the ranks that have said they wait in the collective of
+        :meth:`mark_waiting`'s ``handle`` so far, by rank, this rank's included."""
+        raise NotImplementedError
+
+    def end_waiting(self, handle: Any) -> None:
+        """Stop listening for the marks of :meth:`mark_waiting`'s ``handle``."""
+
     def abort(self) -> None:
         """After a failure: stop this process's transport so that peers stop too."""
+
+    def reset_error(self, error: BaseException) -> Any:
+        """Where the transport's own ``error`` (raised in a collective) is one its elastic
+        engine recovers from, the :class:`~hvd_syncbn.errors.SyncBatchNormError` subclass to
+        raise at once, chained to it, instead of the diagnosis (Horovod elastic's
+        ``HorovodInternalError``: :mod:`hvd_syncbn.elastic`); else ``None``."""
+        return None
 
 
 SHORT_PAUSE, LONG_PAUSE, BACKOFF_AFTER, BACKOFF_SHARE = 5e-5, 0.02, 0.1, 0.02

@@ -17,7 +17,7 @@ import numpy as np
 from hvd_syncbn.communicator import Communicator
 from hvd_syncbn.errors import SyncBatchNormError
 from hvd_syncbn.identity import Call
-from hvd_syncbn.settings import get_timeout
+from hvd_syncbn.settings import get_timeout, grace
 from hvd_syncbn.stuck import schedule_abort, wait_or_keep
 
 log = logging.getLogger("hvd_syncbn")
@@ -139,12 +139,13 @@ def fail(comm: Communicator, call: Call, reason: str, error: type = SyncBatchNor
     rank; if a collective is ``stuck`` (timed out, or its transport failed), stop the
     transport at exit (:func:`hvd_syncbn.stuck.schedule_abort`).
 
-    The diagnosis waits until 1.5 timeouts after ``since`` (the collective's start), so a
-    rank that failed at once still meets the peers that fail by timing out.
+    The diagnosis waits until the timeout and :func:`~hvd_syncbn.settings.grace` after
+    ``since`` (the collective's start), so a rank that failed at once still meets the
+    peers that fail by timing out.
     """
     since = time.monotonic() if since is None else since
     side = comm.side()
-    calls, broken = _exchange(side, call, since + 1.5 * get_timeout())
+    calls, broken = _exchange(side, call, since + get_timeout() + grace())
     message = describe(calls, call, comm.size, reason, side.partial_gather, side.kind, broken)
     log.error("%s", message)
     if stuck:

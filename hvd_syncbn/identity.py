@@ -35,22 +35,28 @@ class Call:
     problem: str = ""
 
     @property
+    def key(self) -> str:
+        """What identifies the collective on every rank: all of it but the rank and problem."""
+        return f"{self.layer}|{self.direction}|{self.step}|{self.channels}|{self.ndim}|{self.dtype}"
+
+    @property
     def name(self) -> str:
         """The collective's name: deterministic, unique per layer and direction, readable."""
         return f"hvd_syncbn.{self.layer}.{self.direction}"
 
     def where(self) -> str:
-        """Its layer, direction and step (a traced collective has neither: ``""``, ``-1``) and shape."""
+        """Its layer, direction and step (a traced collective has neither: ``""``, ``-1``) and
+        shape (none before the layer's first collective: its set-up)."""
         way = {"fwd": " forward", "bwd": " backward"}.get(self.direction, f" {self.direction}" if self.direction else "")
         step = f", step {self.step}" if self.step >= 0 else ""
-        return f"layer {self.layer!r}{way}{step} ({self.channels} channels, {self.ndim}D {self.dtype})"
+        shape = f" ({self.channels} channels, {self.ndim}D {self.dtype})" if self.channels else ""
+        return f"layer {self.layer!r}{way}{step}{shape}"
 
 
 def header(call: Call, world: int) -> List[float]:
     """``[h, h²]`` with ``h`` small enough that ``W·h²`` is exact in float64."""
     bits = max(8, min(26, (53 - max(1, math.ceil(math.log2(max(world, 2))))) // 2))
-    key = f"{call.layer}|{call.direction}|{call.step}|{call.channels}|{call.ndim}|{call.dtype}"
-    h = float(zlib.crc32(key.encode()) % (1 << bits) + 1)
+    h = float(zlib.crc32(call.key.encode()) % (1 << bits) + 1)
     return [h, h * h]
 
 

@@ -75,3 +75,14 @@ def world_size(env: Optional[Mapping[str, str]] = None) -> Optional[int]:
     if size < 1:
         raise ValueError(f"launched by {name}: expected {var} to be a positive integer, got {value!r}")
     return size
+
+
+def attempt(env: Optional[Mapping[str, str]] = None) -> str:
+    """Which attempt of a restarted job this process is in: under torchrun, its run id and
+    restart count (``TORCHELASTIC_RUN_ID``, ``TORCHELASTIC_RESTART_COUNT``); ``""``
+    elsewhere. torchrun's agent keeps its store across restarts: what one attempt writes
+    there, the next must not read as its own."""
+    env = os.environ if env is None else env
+    if "TORCHELASTIC_RUN_ID" not in env:
+        return ""
+    return f"{env['TORCHELASTIC_RUN_ID']}.{env.get('TORCHELASTIC_RESTART_COUNT', '0')}"

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import ctypes
 import os
+import time
+import zlib
 from dataclasses import dataclass
 from typing import Any, List, Optional
 
@@ -79,17 +81,19 @@ class MpiCommunicator(Communicator):
     spins = 2000
     partial_gather = True
 
-    def __init__(self, ranks: Optional[List[int]] = None, comm: Any = None) -> None:
+    def __init__(self, ranks: Optional[List[int]] = None, comm: Any = None, layer: str = "",
+                 tag_base: int = 0) -> None:
         from mpi4py import MPI
 
         self._mpi = MPI
         self._side: Communicator = self
-        self._rounds = 0
+        self._rounds, self.tag_base = 0, tag_base
         if comm is None:
             world = MPI.COMM_WORLD
             if ranks is None or sorted(ranks) == list(range(world.Get_size())):
-                comm, side = world.Dup(), world.Dup()
-            else:
+                (comm, made), (side, made_side) = world.Idup(), world.Idup()
+                self._set_up(world, [made, made_side], layer)
+            else:  # MPI_Comm_create_group has no nonblocking form: it waits for the group's ranks
                 group = world.Get_group().Incl(sorted(ranks))
                 comm, side = world.Create_group(group, tag=1), world.Create_group(group, tag=2)
             self._side = MpiCommunicator(comm=side)
@@ -97,14 +101,42 @@ class MpiCommunicator(Communicator):
         self.rank, self.size = comm.Get_rank(), comm.Get_size()
         self.device_buffers = mpi_reads_cuda()
 
+    def _set_up(self, world: Any, requests: list, layer: str) -> None:
+        """Wait for the duplicates of ``world`` (``requests``: ``MPI_Comm_idup``'s), made at
+        ``layer``'s first collective, as a collective waits: warning, then raising the
+        diagnosis at the timeout (over ``world`` itself, point to point, with tags at the
+        top of MPI's range), where a rank's first SyncBN call is on some ranks only."""
+        from hvd_syncbn.identity import Call
+        from hvd_syncbn.settings import get_timeout
+        from hvd_syncbn.waiting import Waiting
+
+        if self._mpi.Request.Testall(requests):
+            return
+        setup = _Requests(requests, world.Get_rank(), world.Get_size())
+        top = world.Get_attr(self._mpi.TAG_UB) or 0
+        setup._side = MpiCommunicator(comm=world, tag_base=max(0, top - 2 * TAGS))
+        call = Call(layer or "SyncBatchNorm", "setup", 0, 0, 0, "", setup.rank)
+        since, timeout = time.monotonic(), get_timeout()
+        waiting = Waiting(setup, call, since, timeout)
+        try:
+            if not setup.wait(requests, since + timeout, waiting):
+                from hvd_syncbn.diagnosis import fail
+
+                fail(setup, call, f"MPI's communicators for SyncBN were not made within {timeout:g} s "
+                                  f"(HVD_SYNCBN_TIMEOUT): the first SyncBN call of every rank makes them",
+                     since=since, stuck=True)
+        finally:
+            waiting.end()
+
     def start(self, buf, name):
         # A CUDA buffer (where device_buffers, its stream synchronized by the caller) as it is.
         arr = buf if hasattr(buf, "__cuda_array_interface__") else np.ascontiguousarray(buf, dtype=np.float64)
         return arr, self.comm.Iallreduce(self._mpi.IN_PLACE, arr, op=self._mpi.SUM)
 
-    def start_gather(self, row):
+    def start_gather(self, row, tag: Optional[int] = None):
         self._alive()
-        tag, self._rounds = self._rounds % 32767, self._rounds + 1  # 32767: the least MPI_TAG_UB
+        if tag is None:
+            tag, self._rounds = self.tag_base + self._rounds % TAGS, self._rounds + 1
         row = np.ascontiguousarray(row)
         table = np.zeros((self.size, row.size), dtype=row.dtype)
         table[self.rank] = row
@@ -128,6 +160,25 @@ class MpiCommunicator(Communicator):
                 req.Cancel()
                 req.Wait()
 
+    def mark_waiting(self, row, key):
+        """A gather under a tag of the collective's own (a hash of ``key``, above the
+        diagnosis's tags: the rounds stay as they are on every rank), where MPI's tags
+        reach that far (``MPI_TAG_UB``; else ``None``)."""
+        if (self.comm.Get_attr(self._mpi.TAG_UB) or 0) < self.tag_base + 2 * TAGS:
+            return None
+        return self.start_gather(row, tag=self.tag_base + TAGS + zlib.crc32(key.encode()) % TAGS)
+
+    def waiting(self, handle):
+        return self.gathered(handle)
+
+    def end_waiting(self, handle):
+        """As :meth:`end_gather`; the sends to the ranks that never came are kept alive."""
+        self.end_gather(handle)
+        if not all(req.Test() for req in handle.sends):
+            from hvd_syncbn.stuck import _orphans
+
+            _orphans.append(handle)
+
     def done(self, handle):
         if type(handle) is tuple:  # a sum: the normal path, polled thousands of times a wait
             if self._mpi.Is_finalized():
@@ -150,6 +201,35 @@ class MpiCommunicator(Communicator):
         if self._mpi.Is_finalized():
             raise RuntimeError("MPI was finalized while this rank waited (Horovod finalizes the MPI it initialized "
                                "when a peer shuts it down: a peer has exited)")
+
+
+TAGS = 32767
+"""The diagnosis's tags, one per round (32767: the least ``MPI_TAG_UB``), from the
+communicator's ``tag_base``; the marks of a waiting rank take the next as many
+(:meth:`MpiCommunicator.mark_waiting`)."""
+
+
+class _Requests(Communicator):
+    """The requests that make an :class:`MpiCommunicator`, waited for as a collective (its
+    ``side``: a channel over ``MPI_COMM_WORLD``, point to point, with the top of MPI's tags)."""
+
+    kind = "mpi"
+    spins = 2000
+
+    def __init__(self, requests: list, rank: int, size: int) -> None:
+        self.requests, self.rank, self.size = requests, rank, size
+        self._side: Communicator = self
+
+    def done(self, handle):
+        return all(req.Test() for req in handle)
+
+    def side(self):
+        return self._side
+
+    def abort(self):
+        from mpi4py import MPI
+
+        MPI.COMM_WORLD.Abort(1)
 
 
 @dataclass

@@ -1,6 +1,14 @@
-"""What a user sets: the collective timeout (:func:`set_timeout` or the environment),
-and how settings are read from the environment (seconds, switches), naming the variable
-when a value is wrong."""
+"""What a user sets: the collective timeout (:func:`set_timeout` or the environment) and
+the time after which a waiting rank warns, and how settings are read from the
+environment (seconds, switches), naming the variable when a value is wrong.
+
+A slow rank is not a dead one: a rank-0-only validation or checkpoint holds the others
+back for minutes. So a rank waiting in a SyncBN collective warns after
+:func:`warn_after` (``$HVD_SYNCBN_WARN``, 60 s, Horovod's stall warning's), naming the
+ranks that have not come, and raises only at :func:`get_timeout` (``$HVD_SYNCBN_TIMEOUT``,
+10 min, the wait of torch's default NCCL group); the diagnosis that names a stuck rank
+adds :func:`grace` (at most 30 s).
+"""
 
 from __future__ import annotations
 
@@ -9,14 +17,20 @@ import os
 from typing import Optional
 
 TIMEOUT_ENV = "HVD_SYNCBN_TIMEOUT"
+WARN_ENV = "HVD_SYNCBN_WARN"
 COMPILE_TIMEOUT_ENV = "HVD_SYNCBN_COMPILE_TIMEOUT"
+DEFAULT_TIMEOUT = 600.0
+"""Seconds a collective waits by default: 10 min, as torch's default NCCL group (its Gloo
+group waits 30; Horovod warns at 60 s and stops only when asked; MPI waits forever)."""
+DEFAULT_WARN = 60.0
+GRACE_S = 30.0
 _timeout: Optional[float] = None
 
 
 def set_timeout(seconds: float) -> None:
     """How long a rank waits for a SyncBN collective before it diagnoses and raises.
 
-    Overrides the ``HVD_SYNCBN_TIMEOUT`` environment variable (default 60 s).
+    Overrides the ``HVD_SYNCBN_TIMEOUT`` environment variable (default 600 s).
     """
     global _timeout
     if not (isinstance(seconds, (int, float)) and seconds > 0 and math.isfinite(seconds)):
@@ -25,8 +39,22 @@ def set_timeout(seconds: float) -> None:
 
 
 def get_timeout() -> float:
-    """The collective timeout in seconds: :func:`set_timeout`, else ``$HVD_SYNCBN_TIMEOUT``, else 60."""
-    return _timeout if _timeout is not None else env_seconds(TIMEOUT_ENV, 60.0)
+    """The collective timeout in seconds: :func:`set_timeout`, else ``$HVD_SYNCBN_TIMEOUT``, else
+    600. Read at every collective's start, it checks :func:`warn_after`'s setting too, so
+    that a bad one is refused there, not inside the wait that reads it."""
+    warn_after()
+    return _timeout if _timeout is not None else env_seconds(TIMEOUT_ENV, DEFAULT_TIMEOUT)
+
+
+def warn_after() -> float:
+    """Seconds a rank waits in a collective before it warns: ``$HVD_SYNCBN_WARN``, else 60."""
+    return env_seconds(WARN_ENV, DEFAULT_WARN)
+
+
+def grace() -> float:
+    """Seconds beyond the timeout that the diagnosis waits for the ranks that time out too,
+    and that a transport's abort at exit may take: half the timeout, at most 30 s."""
+    return min(0.5 * get_timeout(), GRACE_S)
 
 
 def compile_timeout() -> float:

@@ -8,11 +8,13 @@ from __future__ import annotations
 import os
 import urllib.error
 import urllib.request
+import zlib
 from dataclasses import dataclass
 from typing import Any, Optional
 
 import numpy as np
 
+from hvd_syncbn import launchers
 from hvd_syncbn.communicator import Communicator
 
 
@@ -31,9 +33,11 @@ class KeyValueRows(Communicator):
 
     def __init__(self, rank: int, size: int, group: Any) -> None:
         self.rank, self.size, self.group, self._rounds = rank, size, group, 0
+        run = launchers.attempt().replace("/", "_")  # a restarted job's store holds the last attempt's rows
+        self.scope = f"{self.SCOPE}.{run}" if run else self.SCOPE
 
     def _key(self, handle: "_StoreRows", rank: int) -> str:
-        return f"{self.SCOPE}/{self.group}.{handle.round}.{rank}"
+        return f"{self.scope}/{self.group}.{handle.round}.{rank}"
 
     def _put(self, key: str, raw: bytes) -> None:
         raise NotImplementedError
@@ -60,6 +64,17 @@ class KeyValueRows(Communicator):
 
     def done(self, handle):
         return len(self.gathered(handle)) == self.size
+
+    def mark_waiting(self, row, key):
+        """A row under a key of the collective's own (a hash of ``key``): the rounds of the
+        diagnosis stay as they are on every rank."""
+        handle = _StoreRows(f"wait.{zlib.crc32(key.encode()):08x}", np.ascontiguousarray(row), {})
+        handle.rows[self.rank] = handle.row
+        self._put(self._key(handle, self.rank), handle.row.tobytes())
+        return handle
+
+    def waiting(self, handle):
+        return self.gathered(handle)
 
 
 class RendezvousRows(KeyValueRows):
@@ -91,9 +106,10 @@ _NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
 @dataclass
 class _StoreRows:
-    """A gather in flight over the rendezvous store: its round, this rank's row, the rows read."""
+    """A gather in flight over a store: its round (or the collective whose waiting ranks
+    it gathers), this rank's row, the rows read."""
 
-    round: int
+    round: Any
     row: np.ndarray
     rows: dict
 

@@ -5,6 +5,8 @@ transport may still write into it, and the transport's abort when the process ex
 from __future__ import annotations
 
 import atexit
+import functools
+import inspect
 import logging
 import os
 import sys
@@ -13,7 +15,7 @@ import time
 from typing import Any, List, Tuple
 
 from hvd_syncbn.communicator import Communicator
-from hvd_syncbn.settings import get_timeout
+from hvd_syncbn.settings import grace
 
 log = logging.getLogger("hvd_syncbn")
 
@@ -21,12 +23,21 @@ _orphans: list = []
 """Handles of collectives that timed out: their transports may still write into them."""
 
 
-def wait_or_keep(comm: Communicator, handle: Any, deadline: float) -> bool:
-    """``comm.wait``, keeping a handle that timed out alive (its transport may still write)."""
-    if comm.wait(handle, deadline):
+def wait_or_keep(comm: Communicator, handle: Any, deadline: float, waiting: Any = None) -> bool:
+    """``comm.wait``, checking ``waiting`` (:class:`~hvd_syncbn.waiting.Waiting`) where the
+    communicator's ``wait`` takes it (a user's may predate it), keeping a handle that timed
+    out alive (its transport may still write)."""
+    if comm.wait(handle, deadline, waiting) if waiting is not None and _warns(type(comm)) else \
+            comm.wait(handle, deadline):
         return True
     _orphans.append(handle)
     return False
+
+
+@functools.lru_cache(maxsize=None)
+def _warns(cls: type) -> bool:
+    """Whether ``cls.wait`` takes a ``waiting`` to check."""
+    return "waiting" in inspect.signature(cls.wait).parameters
 
 
 _aborted: List[Tuple[Communicator, float]] = []
@@ -66,17 +77,13 @@ def lost_node_wait() -> float:
         return 0.0
 
 
-EXIT_GRACE = 0.5
-"""Share of the timeout an abort may take before the process exits hard: a rank raises
-within 1.5 timeouts of the stuck collective's start, so it is gone within 2 (after
-:func:`lost_node_wait`, where that applies)."""
-
-
 def _abort_at_exit() -> None:
     """A failed collective may still be pending: stop the transport rather than let the
     process hang in its shutdown; exit hard (status 1) if that takes more than
-    :data:`EXIT_GRACE` of the timeout (Horovod's shutdown over Gloo waits out Gloo's
-    receive timeout, 30 s by default, for a stopped peer).
+    :func:`~hvd_syncbn.settings.grace` (Horovod's shutdown over Gloo waits out Gloo's
+    receive timeout, 30 s by default, for a stopped peer). A rank raises within the
+    timeout and a grace of the stuck collective's start, so it is gone within the
+    timeout and two (after :func:`lost_node_wait`, where that applies).
 
     Where ranks did not answer, wait first until mpirun could notice a lost node
     (:func:`lost_node_wait`, from the collective's start): an abort makes mpirun send to
@@ -91,8 +98,8 @@ def _abort_at_exit() -> None:
             log.error("hvd_syncbn: aborting in %.0f s, once mpirun's keepalive (OMPI_MCA_oob_tcp_keepalive_*) "
                       "could have noticed a lost node", wait)
             time.sleep(wait)
-        grace = EXIT_GRACE * get_timeout()
-        timer = threading.Timer(grace, _exit_hard, (comm.kind, grace))
+        seconds = grace()
+        timer = threading.Timer(seconds, _exit_hard, (comm.kind, seconds))
         timer.daemon = True
         timer.start()
         try:

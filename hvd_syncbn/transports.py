@@ -98,7 +98,7 @@ class MpiTransport(Transport):
         return mpi_usable(*(request.horovod or (None, None))) or None
 
     def build(self, request: Request, registry: "Registry") -> Communicator:
-        return MpiCommunicator(request.ranks)
+        return MpiCommunicator(request.ranks, layer=request.layer)
 
 
 class HorovodTransport(Transport):
@@ -163,7 +163,8 @@ class Registry:
         problem = chosen.unavailable(request)
         if problem:
             raise RuntimeError(f"{request.layer}: comm={chosen.name!r} is not usable here: {problem}")
-        comm = self.cached((chosen.name, request.key), lambda: chosen.build(request, self), why)
+        # Horovod's size and rank in the key: after an elastic reset a new world, new communicators
+        comm = self.cached((chosen.name, request.key, request.horovod), lambda: chosen.build(request, self), why)
         return comm if comm.size > 1 else None
 
     def cached(self, key: Any, build: Callable[[], Communicator], why: str = "") -> Communicator:

@@ -22,9 +22,10 @@
 #   loop and SyncBN's statistics); spinning, they take cores from the compute when ranks
 #   fill the cores (2-rank allreduces measured 12-24 ms instead of 1 ms so).
 # - oob_tcp_keepalive_*: mpirun ends the job when a node is lost or cut off by the network,
-#   within 5 + 6 x I s of the cut, I = ceil(T/3) and T = $HVD_SYNCBN_TIMEOUT (default 60:
-#   125 s), i.e. about 2 T + 5 s. 6 x I >= 2 T, so every rank that can still reach mpirun
-#   has printed its SyncBN error first (within 1.5 T). Open MPI's own keepalive is 300 +
+#   within 5 + 6 x I s of the cut, I = ceil((T + 2G)/6), T = $HVD_SYNCBN_TIMEOUT (default
+#   600) and G = min(T/2, 30) (default: 665 s), i.e. about T + 2G + 5 s. 6 x I >= T + 2G,
+#   so every rank that can still reach mpirun has printed its SyncBN error first (within
+#   T + G; with a small T, 1.5 T and 2 T). Open MPI's own keepalive is 300 +
 #   20 x 9 s, and mpirun never notices a lost node once a rank has aborted
 #   (hvd_syncbn/stuck.py, _abort_at_exit, says why and how the ranks wait for it).
 # - Your own `-mca pml X` / `-mca btl X` / `-mca mpi_yield_when_idle X` /
@@ -54,7 +55,7 @@ cmd+=(-bind-to none -map-by slot)
 [ "$user_btl" = 1 ] || cmd+=(-mca btl ^openib)
 [ "$user_yield" = 1 ] || cmd+=(-mca mpi_yield_when_idle 1)
 if [ "$user_keepalive" = 0 ]; then
-  intvl=$(awk -v t="${HVD_SYNCBN_TIMEOUT:-60}" 'BEGIN { i = int((t + 2.999) / 3); print (i < 1 ? 1 : i) }')
+  intvl=$(awk -v t="${HVD_SYNCBN_TIMEOUT:-600}" 'BEGIN { g = (t / 2 < 30 ? t / 2 : 30); i = int((t + 2 * g + 5.999) / 6); print (i < 1 ? 1 : i) }')
   cmd+=(-mca oob_tcp_keepalive_time 5 -mca oob_tcp_keepalive_intvl "$intvl" -mca oob_tcp_keepalive_probes 6)
 fi
 cmd+=(-x PATH)

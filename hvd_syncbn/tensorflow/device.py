@@ -24,6 +24,7 @@ from hvd_syncbn.communicator import Communicator
 from hvd_syncbn.diagnosis import fail
 from hvd_syncbn.identity import HEADER, Call, make_call, static_header
 from hvd_syncbn.settings import get_timeout
+from hvd_syncbn.waiting import Waiting
 from hvd_syncbn.deferred import FLAGS, raise_seen
 from hvd_syncbn.tensorflow import transports, xla
 from hvd_syncbn.mpi import MpiCommunicator
@@ -84,6 +85,7 @@ class GraphReducer:
         if self._ours():  # the library checks the header, and has a failure diagnosed
             mpi = self._mpi(layer)
             xla.on_failure(name, mpi, functools.partial(self._diagnose, direction))
+            xla.on_slow(name, mpi, functools.partial(self._waiting, direction))
             summed, mixed = xla.checked_allreduce(buf, name, head, comm=mpi, timeout=get_timeout())
         else:
             start = tf.constant(head, tf.float64) + tf.cast(self.errors[0], tf.float64) * 0.0  # see the class
@@ -103,6 +105,11 @@ class GraphReducer:
         """Raise the diagnosis of this layer's ``step``-th collective in ``direction``, which
         began at ``since`` and failed (:func:`hvd_syncbn.diagnosis.fail`, as on the host path)."""
         fail(self.comm, self._call(direction, step), reason, since=since, stuck=True)
+
+    def _waiting(self, direction: str, step: int, since: float) -> Waiting:
+        """The :class:`~hvd_syncbn.waiting.Waiting` of this layer's ``step``-th collective in
+        ``direction``, waiting since ``since`` (it warns, as on the host path)."""
+        return Waiting(self.comm, self._call(direction, step), since)
 
     def next_call(self, direction: str) -> Call:
         """This rank's next collective in ``direction`` as the diagnosis describes it: its

@@ -77,8 +77,17 @@ class HorovodComm(Communicator):
     def done(self, handle):
         return handle.event.is_set()
 
-    def wait(self, handle, deadline):
-        return handle.event.wait(max(0.0, deadline - time.monotonic()))
+    def wait(self, handle, deadline, waiting=None):
+        """Blocks on the helper's event, waking for ``waiting``'s checks only where it has one due."""
+        while True:
+            now = time.monotonic()
+            until = deadline if waiting is None else min(deadline, waiting.next)
+            if handle.event.wait(max(0.0, until - now)):
+                return True
+            now = time.monotonic()
+            if now >= deadline:
+                return False
+            waiting.check(now)
 
     def result(self, handle):
         if handle.error is not None:
@@ -87,6 +96,11 @@ class HorovodComm(Communicator):
 
     def abort(self):
         hvd.shutdown()
+
+    def reset_error(self, error):
+        from hvd_syncbn.elastic import reset_error
+
+        return reset_error(error)
 
 
 def horovod(what: str) -> Any:

@@ -42,6 +42,10 @@ _world: Any = None  # the default communicator: a duplicate of MPI.COMM_WORLD
 _last: "weakref.WeakKeyDictionary[Any, str]" = weakref.WeakKeyDictionary()
 # Per (communicator handle, collective name), what diagnoses its failure (on_failure).
 _diagnoses: Dict[Tuple[int, str], Callable[[int, float, str], None]] = {}
+# Per (communicator handle, collective name), what makes a long wait's Waiting (on_slow);
+# per (handle, name, step), the waits in progress that are long.
+_slows: Dict[Tuple[int, str], Callable[[int, float], Any]] = {}
+_waits: Dict[Tuple[int, str, int], Any] = {}
 
 
 def available() -> Optional[str]:
@@ -102,6 +106,8 @@ def load() -> ctypes.CDLL:
             raise RuntimeError(f"hvd_syncbn XLA allreduce: registering {TARGET!r} with XLA failed: "
                                f"{error.value.decode(errors='replace')}")
         lib.hvd_syncbn_xla_set_diagnose(_diagnose)
+        lib.hvd_syncbn_xla_set_slow.argtypes = [ctypes.c_void_p, ctypes.c_double]
+        lib.hvd_syncbn_xla_set_slow(ctypes.cast(_slow, ctypes.c_void_p), first_check())
         atexit.register(_abort_if_stuck, lib, MPI)
         _lib = lib
         return lib
@@ -123,6 +129,48 @@ def on_failure(name: str, comm: Any, diagnose: Callable[[int, float, str], None]
     from mpi4py import MPI
 
     _diagnoses[MPI._handleof(comm), name] = diagnose
+
+
+def on_slow(name: str, comm: Any, waiting: Callable[[int, float], Any]) -> None:
+    """Where the collective ``name`` over ``comm`` (an mpi4py communicator) waits long, make
+    its :class:`~hvd_syncbn.waiting.Waiting` by ``waiting(step, since)`` and check it, on
+    the op's thread, until the wait ends: it warns."""
+    from mpi4py import MPI
+
+    _slows[MPI._handleof(comm), name] = waiting
+
+
+def first_check() -> float:
+    """Seconds of a wait before the library first calls the slow hook: a waiting rank's first
+    step (:data:`hvd_syncbn.waiting.MARK_S`, half the warning time at most)."""
+    from hvd_syncbn.settings import warn_after
+    from hvd_syncbn.waiting import MARK_S
+
+    return min(MARK_S, warn_after() / 2)
+
+
+@ctypes.CFUNCTYPE(ctypes.c_double, ctypes.c_char_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_double)
+def _slow(name: bytes, comm: int, step: int, waited: float) -> float:
+    """The library's hook for a long wait: check its Waiting, return the seconds until the
+    next check; ``waited < 0``: the wait ended."""
+    key = (comm, name.decode(errors="replace"), step)
+    try:
+        if waited < 0:
+            waiting = _waits.pop(key, None)
+            if waiting is not None:
+                waiting.end()
+            return 0.0
+        if key not in _waits:
+            make = _slows.get(key[:2])
+            if make is None:
+                return 0.0
+            _waits[key] = make(step, time.monotonic() - waited)
+        now = time.monotonic()
+        waiting = _waits[key]
+        waiting.check(now)
+        return max(0.01, min(waiting.next, waiting.since + waiting.timeout) - now)
+    except Exception:  # noqa: BLE001 - a warning never breaks the collective
+        return 0.0
 
 
 def calls(name: str, comm: Any) -> int:
@@ -154,13 +202,15 @@ def _diagnose(name: bytes, comm: int, step: int, waited: float, reason: bytes, o
 
 
 def default_comm() -> Any:
-    """The communicator :func:`allreduce` uses by default: one duplicate of ``COMM_WORLD``."""
+    """The communicator :func:`allreduce` uses by default: one duplicate of ``COMM_WORLD``,
+    made as SyncBN's MPI communicators are (a rank whose peers never make it raises at
+    the timeout, naming them)."""
     global _world
     with _lock:
         if _world is None:
-            from mpi4py import MPI
+            from hvd_syncbn.mpi import MpiCommunicator
 
-            _world = MPI.COMM_WORLD.Dup()
+            _world = MpiCommunicator(layer="the XLA allreduce").comm
         return _world
 
 

@@ -19,6 +19,7 @@
 // Each (communicator, name) counts its calls: the step. Where a collective fails, the
 // diagnosis Python registered (hvd_syncbn_xla_set_diagnose) writes the error's message:
 // the ranks that can still talk tell each other where they wait, as the host path does.
+// Where one waits long, the hook Python registered (hvd_syncbn_xla_set_slow) warns.
 
 // The C API only: no C++ bindings (Open MPI and MPICH would pull in libmpi_cxx).
 #define OMPI_SKIP_MPICXX 1
@@ -63,6 +64,13 @@ int64_t HandleOfComm(MPI_Comm comm) { return (int64_t)(intptr_t)comm; }
 using Diagnose = int (*)(const char*, int64_t, int64_t, double, const char*, char*, size_t);
 std::atomic<Diagnose> diagnose{nullptr};
 
+// Python's check of a collective that waits long: (name, communicator handle, step, seconds
+// waited) -> seconds until the next check (0 or less: none). Called first once the wait
+// passes slow_after seconds; once more with -1 seconds waited when it ends.
+using Slow = double (*)(const char*, int64_t, int64_t, double);
+std::atomic<Slow> slow{nullptr};
+std::atomic<double> slow_after{0.0};
+
 std::mutex steps_mutex;
 std::map<std::pair<int64_t, std::string>, int64_t> steps;
 
@@ -81,10 +89,40 @@ std::string MpiError(std::string_view name, std::string_view what, int code) {
 
 enum class Failure { kNone, kInvalid, kMpi, kDeadline };
 
-// Sums `count` values of `in` into `out` over `comm`, waiting at most `timeout` seconds;
-// on failure, the message in `error`.
+// Calls the slow hook (if any) as a wait of the collective `name` (its `step`) over `comm`
+// goes on, and once more when it ends, where it called it.
+class SlowWait {
+ public:
+  using clock = std::chrono::steady_clock;
+  SlowWait(std::string_view name, MPI_Comm comm, int64_t step)
+      : hook_(slow.load()), name_(name), comm_(HandleOfComm(comm)), step_(step), start_(clock::now()),
+        next_(hook_ == nullptr ? clock::time_point::max() : start_ + Seconds(slow_after.load())) {}
+  ~SlowWait() {
+    if (called_) hook_(name_.c_str(), comm_, step_, -1.0);
+  }
+  void Check(clock::time_point now) {
+    if (now < next_) return;
+    called_ = true;
+    const double more = hook_(name_.c_str(), comm_, step_, std::chrono::duration<double>(now - start_).count());
+    next_ = more > 0 ? now + Seconds(more) : clock::time_point::max();
+  }
+
+ private:
+  static clock::duration Seconds(double s) {
+    return std::chrono::duration_cast<clock::duration>(std::chrono::duration<double>(s));
+  }
+  const Slow hook_;
+  const std::string name_;
+  const int64_t comm_, step_;
+  const clock::time_point start_;
+  clock::time_point next_;
+  bool called_ = false;
+};
+
+// Sums `count` values of `in` into `out` over `comm`, waiting at most `timeout` seconds
+// (the wait of its `step`, checked by the slow hook); on failure, the message in `error`.
 Failure SumOverMpi(const double* in, double* out, size_t count, MPI_Comm comm, double timeout,
-                   std::string_view name, std::string* error) {
+                   std::string_view name, int64_t step, std::string* error) {
   if (count > static_cast<size_t>(INT32_MAX)) {
     *error = std::string(name) + ": expected at most 2^31-1 values, got " + std::to_string(count);
     return Failure::kInvalid;
@@ -103,6 +141,7 @@ Failure SumOverMpi(const double* in, double* out, size_t count, MPI_Comm comm, d
   using clock = std::chrono::steady_clock;
   const auto deadline = clock::now() + std::chrono::duration_cast<clock::duration>(
                                            std::chrono::duration<double>(timeout));
+  SlowWait wait(name, comm, step);
   for (int polls = 0;; ++polls) {
     int done = 0;
     rc = MPI_Test(&request, &done, MPI_STATUS_IGNORE);
@@ -111,8 +150,12 @@ Failure SumOverMpi(const double* in, double* out, size_t count, MPI_Comm comm, d
       return Failure::kMpi;
     }
     if (done) return Failure::kNone;
-    if (clock::now() >= deadline) break;
-    if (polls >= 2000) std::this_thread::sleep_for(std::chrono::microseconds(50));
+    const auto now = clock::now();
+    if (now >= deadline) break;
+    if (polls >= 2000) {
+      wait.Check(now);
+      std::this_thread::sleep_for(std::chrono::microseconds(50));
+    }
   }
   stuck.fetch_add(1);
   char seconds[32];
@@ -126,15 +169,15 @@ Failure SumOverMpi(const double* in, double* out, size_t count, MPI_Comm comm, d
 // SumOverMpi of `header` followed by `in` (`count` values); the sum of `in` into `out`, or
 // NaN with `*mismatch` set where the header's sum is not the communicator's size times it.
 Failure SumChecked(const double* in, double* out, size_t count, const int64_t* header, size_t heads,
-                   bool* mismatch, MPI_Comm comm, double timeout, std::string_view name,
+                   bool* mismatch, MPI_Comm comm, double timeout, std::string_view name, int64_t step,
                    std::string* error) {
   *mismatch = false;
-  if (heads == 0) return SumOverMpi(in, out, count, comm, timeout, name, error);
+  if (heads == 0) return SumOverMpi(in, out, count, comm, timeout, name, step, error);
   // Headers are integers below 2^53: exact as doubles, and so is size times one.
   auto buf = std::make_unique<std::vector<double>>(header, header + heads);
   buf->insert(buf->end(), in, in + count);
   auto sum = std::make_unique<std::vector<double>>(buf->size());
-  const Failure failure = SumOverMpi(buf->data(), sum->data(), buf->size(), comm, timeout, name, error);
+  const Failure failure = SumOverMpi(buf->data(), sum->data(), buf->size(), comm, timeout, name, step, error);
   if (failure == Failure::kDeadline) {  // the request is still pending: MPI may use both later
     buf.release();
     sum.release();
@@ -157,7 +200,7 @@ Failure SumCounted(const double* in, double* out, size_t count, const int64_t* h
                    std::string* error) {
   const int64_t step = NextStep(comm, name);
   const auto start = std::chrono::steady_clock::now();
-  const Failure failure = SumChecked(in, out, count, header, heads, mismatch, comm, timeout, name, error);
+  const Failure failure = SumChecked(in, out, count, header, heads, mismatch, comm, timeout, name, step, error);
   const Diagnose hook = diagnose.load();
   if ((failure == Failure::kMpi || failure == Failure::kDeadline) && hook != nullptr) {
     const std::chrono::duration<double> waited = std::chrono::steady_clock::now() - start;
@@ -296,5 +339,12 @@ int64_t hvd_syncbn_xla_calls(int64_t comm, const char* name) {
 
 // Sets the diagnosis of failed collectives (nullptr: none, the message is the library's).
 void hvd_syncbn_xla_set_diagnose(Diagnose hook) { diagnose.store(hook); }
+
+// Sets the check of collectives that wait long (nullptr: none), first called once a wait
+// passes `after` seconds.
+void hvd_syncbn_xla_set_slow(Slow hook, double after) {
+  slow_after.store(after);
+  slow.store(hook);
+}
 
 }  // extern "C"

@@ -124,30 +124,34 @@ def connect_to(offer: dict) -> str:
     return "127.0.0.1" if offer["host"] == host_id() else offer["default"]
 
 
-def _broadcast(over: Communicator, offer: dict, timeout: float) -> dict:
-    """Rank 0's ``offer`` on every rank: one summing allreduce of its JSON bytes (zeros elsewhere)."""
+def _broadcast(over: Communicator, offer: dict, timeout: float, layer: str) -> dict:
+    """Rank 0's ``offer`` on every rank: one summing allreduce of its JSON bytes (zeros
+    elsewhere), at ``layer``'s first collective (the name a diagnosis gives it)."""
     buf = np.zeros(RECORD_BYTES)
     if over.rank == 0:
         raw = json.dumps(offer).encode()
         if len(raw) > RECORD_BYTES:
             raw = json.dumps({"error": f"the store's address is too long: {offer}"[:900]}).encode()
         buf[: len(raw)] = np.frombuffer(raw, dtype=np.uint8)
-    call = make_call(over, "private_group", "bootstrap", RECORD_BYTES, 1, "uint8")
+    call = make_call(over, layer, "bootstrap", RECORD_BYTES, 1, "uint8")
     out = allreduce(over, buf, call, timeout)
     return json.loads(bytes(np.rint(out).astype(np.uint8)).rstrip(b"\0").decode())
 
 
-def build(over: Communicator) -> Tuple[dist.ProcessGroup, dist.Store]:
+def build(over: Communicator, layer: str = "private_group",
+          compiling: bool = False) -> Tuple[dist.ProcessGroup, dist.Store]:
     """A process group of ``over``'s ranks (same rank numbers), and the store it needs
-    alive (NCCL exchanges its ids over it at the first collective).
+    alive (NCCL exchanges its ids over it at the first collective), made at ``layer``'s
+    first collective.
 
-    The store waits by :func:`hvd_syncbn.settings.get_timeout`; the broadcast and the group
-    also wait :func:`hvd_syncbn.settings.compile_timeout` more, as a peer may still be
-    compiling (a functional collective waits by the group's timeout).
+    The store waits by :func:`hvd_syncbn.settings.get_timeout`; where ``compiling``
+    (``torch.compile`` traces), the broadcast and the group also wait
+    :func:`hvd_syncbn.settings.compile_timeout` more, as a peer may still be compiling (a
+    functional collective waits by the group's timeout).
     """
     rank, size = over.rank, over.size
     timeout = get_timeout()
-    grace = datetime.timedelta(seconds=collective_timeout(True))
+    grace = datetime.timedelta(seconds=collective_timeout(compiling))
     wait = datetime.timedelta(seconds=timeout)
     store, offer = None, {}
     if rank == 0:
@@ -157,7 +161,7 @@ def build(over: Communicator) -> Tuple[dist.ProcessGroup, dist.Store]:
             offer = dict(addr=addr, host=host_id(), default=own_address(), port=store.port)
         except (ValueError, RuntimeError) as e:  # every rank raises it, rather than waiting for rank 0
             offer = {"error": str(e)}
-    offer = _broadcast(over, offer, grace.total_seconds())
+    offer = _broadcast(over, offer, grace.total_seconds(), layer)
     if "error" in offer:
         raise RuntimeError(f"hvd_syncbn: rank 0 could not open the private group's store: {offer['error']}")
     addr = connect_to(offer)

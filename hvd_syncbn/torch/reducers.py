@@ -35,6 +35,7 @@ from hvd_syncbn.errors import SyncBatchNormInputError
 from hvd_syncbn.identity import Call, make_call, static_header
 from hvd_syncbn.layout import grad_lane
 from hvd_syncbn.settings import TIMEOUT_ENV, collective_timeout
+from hvd_syncbn.waiting import blocking, unblocked
 
 def _header(layer: str, direction: str, channels: int, ndim: int, dtype: str, world: int) -> Tuple[float, ...]:
     return tuple(static_header(layer, direction, channels, ndim, dtype, world))
@@ -171,9 +172,13 @@ def summed(comm: Communicator, identity: Identity, buf: Tensor, direction: str, 
     (:func:`hvd_syncbn.diagnosis.fail`). NCCL's collectives do not block the host: its
     watchdog ends the process at the timeout (docs/failures.md)."""
     call = identity.call(comm, direction)
-    comm.bound(traced and call.step == 0)
+    first = traced and call.step == 0
+    if comm.group is None:
+        comm.set_up(call, first)
+    comm.bound(first)
     since = time.monotonic()
     c10d = torch.ops._c10d_functional
+    waiting = blocking(comm, call, since, comm.seconds)  # a watchdog thread warns while Gloo blocks
     try:
         # The functional collective's own ops, below autograd (its callers are autograd
         # Functions or an op): the ops' Python autograd kernel took two thirds of their host
@@ -184,6 +189,8 @@ def summed(comm: Communicator, identity: Identity, buf: Tensor, direction: str, 
         text = re.sub(r"^\[[^\]]*\] ", "", str(e).splitlines()[0] if str(e) else "")  # Gloo's source line
         fail(comm, call, f"the collective failed after {time.monotonic() - since:.1f} s (timeout {comm.seconds:g} s, "
                          f"{TIMEOUT_ENV}): {type(e).__name__}: {text}", since=since, stuck=True, cause=e)
+    finally:
+        unblocked(waiting)
 
 
 @torch.library.custom_op("hvd_syncbn::group_allreduce", mutates_args=(),

@@ -10,18 +10,22 @@ import atexit
 import datetime
 import inspect
 import os
+import time
 from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 
 from hvd_syncbn.communicator import Communicator, LocalCommunicator
-from hvd_syncbn.settings import collective_timeout
+from hvd_syncbn.diagnosis import fail
+from hvd_syncbn.identity import Call
+from hvd_syncbn.settings import TIMEOUT_ENV, collective_timeout, get_timeout
 from hvd_syncbn.store_rows import KeyValueRows, rendezvous_rows
 from hvd_syncbn.transports import (
     COMM_ENV, HorovodTransport, MpiTransport, Registry, Request, Transport, not_a_member, requested_kind,
 )
 from hvd_syncbn.torch import private_group
+from hvd_syncbn.waiting import blocking, unblocked
 
 try:
     import horovod.torch as hvd
@@ -62,14 +66,20 @@ class HorovodComm(Communicator):
     def abort(self):
         hvd.shutdown()
 
+    def reset_error(self, error):
+        from hvd_syncbn.elastic import reset_error
+
+        return reset_error(error)
+
 
 class TorchDistComm(Communicator):
     """``torch.distributed`` over the ranks of ``group`` (``None``: the default group), on a
-    group of SyncBN's own over the same ranks (:func:`own_group`), whose timeout is
-    SyncBN's (:meth:`bound`): Gloo raises and NCCL's watchdog fires at the timeout, not at
-    the user's group's (30 min for Gloo, 10 for NCCL). Buffers cross on the device the
-    group's backend works on (CUDA for NCCL); the diagnosis goes through the default
-    group's store, row by row (:class:`StoreRows`)."""
+    group of SyncBN's own over the same ranks (:func:`own_group`, made at the first
+    collective by :meth:`set_up`), whose timeout is SyncBN's (:meth:`bound`): Gloo raises
+    and NCCL's watchdog fires at the timeout, not at the user's group's (30 min for Gloo,
+    10 for NCCL). Buffers cross on the device the group's backend works on (CUDA for
+    NCCL); the diagnosis goes through the default group's store, row by row
+    (:class:`StoreRows`)."""
 
     kind = "torch"
     traceable = True
@@ -79,10 +89,33 @@ class TorchDistComm(Communicator):
         self.rank, self.size = users.rank(), users.size()
         nccl = "nccl" in str(dist.get_backend(group)).lower()
         self.device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
-        self.group = own_group(dist.get_process_group_ranks(users))
-        self.seconds = collective_timeout(True)
-        self._side: Communicator = StoreRows(self.rank, self.size, self.group.group_name)
+        self.ranks = dist.get_process_group_ranks(users)
+        self.group: Optional[dist.ProcessGroup] = None
+        self.seconds = get_timeout()
+        self._side = StoreRows(self.rank, self.size, f"setup.{'-'.join(map(str, self.ranks))}")
         atexit.register(self._close)
+
+    def set_up(self, call: Optional[Call], first: bool = False) -> None:
+        """Make SyncBN's own group, at the first collective (``call``), waiting the timeout
+        (``first`` under ``torch.compile``: more, as a peer may still be compiling). Every
+        rank makes it there: a rank whose peers do not come warns, then raises the diagnosis
+        naming them (``call`` ``None``: the group's own error)."""
+        self.seconds = collective_timeout(first)
+        since = time.monotonic()
+        waiting = blocking(self, call, since, self.seconds) if call is not None else None
+        try:
+            self.group = own_group(self.ranks, self.seconds)
+        except RuntimeError as e:  # torch's DistStoreError, Gloo's connect errors
+            if call is None:
+                raise
+            fail(self, call, f"SyncBN's own group of ranks {self.ranks} was not made within {self.seconds:g} s "
+                             f"({TIMEOUT_ENV}): every rank makes it at its first SyncBN collective "
+                             f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})", since=since,
+                 cause=e)
+        finally:
+            if waiting is not None:
+                unblocked(waiting)
+        self._side.group = self.group.group_name
 
     def _close(self) -> None:
         """At exit, while Python still runs: destroy the group (if the script has not) and
@@ -109,6 +142,8 @@ class TorchDistComm(Communicator):
             self.seconds = seconds
 
     def start(self, buf, name):
+        if self.group is None:
+            self.set_up(None)
         tensor = torch.from_numpy(buf).to(self.device)
         # The group's own method: a private group is not in torch.distributed's tables.
         return tensor, self.group.allreduce([tensor], op=dist.ReduceOp.SUM)
@@ -128,14 +163,13 @@ GROUP_DESC = "hvd_syncbn SyncBatchNorm statistics"
 """The description of SyncBN's own groups: NCCL's watchdog names it when it fires."""
 
 
-def own_group(ranks: list) -> dist.ProcessGroup:
-    """A group of ``ranks`` for SyncBN's collectives alone, with SyncBN's first timeout
-    (:func:`~hvd_syncbn.settings.collective_timeout`); only ``ranks`` take part in making it (every
-    one of them, in the same order of first SyncBN calls). Costs: one more group of the
-    same backend (Gloo: a connection to each peer and a worker thread; NCCL: a
-    communicator and its buffers on the GPU, set up at the first collective)."""
-    args = dict(timeout=datetime.timedelta(seconds=collective_timeout(True)),
-                use_local_synchronization=True)
+def own_group(ranks: list, seconds: float) -> dist.ProcessGroup:
+    """A group of ``ranks`` for SyncBN's collectives alone, waiting ``seconds``; only ``ranks``
+    take part in making it (every one of them, in the same order of first SyncBN calls).
+    Costs: one more group of the same backend (Gloo: a connection to each peer and a
+    worker thread; NCCL: a communicator and its buffers on the GPU, set up at the first
+    collective)."""
+    args = dict(timeout=datetime.timedelta(seconds=seconds), use_local_synchronization=True)
     if "group_desc" in inspect.signature(dist.new_group).parameters:
         args["group_desc"] = GROUP_DESC
     return dist.new_group(ranks, **args)
@@ -182,11 +216,12 @@ class PrivateGroupComm(TorchDistComm):
     also carries the diagnosis and stops the job after a stuck collective. Host buffers
     cross over Gloo; CUDA statistics over NCCL."""
 
-    def __init__(self, over: Communicator) -> None:  # not TorchDistComm's: it asks torch's tables
-        self.group, self._store = private_group.build(over)
+    def __init__(self, over: Communicator, layer: str = "private_group") -> None:  # not TorchDistComm's
+        compiling = torch.compiler.is_compiling()
+        self.group, self._store = private_group.build(over, layer, compiling)
         self.rank, self.size, self.over = over.rank, over.size, over
         self.device = torch.device("cpu")
-        self.seconds = collective_timeout(True)  # as build() set it
+        self.seconds = collective_timeout(compiling)  # as build() set it
         atexit.register(self._close)
 
     def _close(self) -> None:
@@ -236,10 +271,10 @@ class HorovodTorchTransport(HorovodTransport):
 REGISTRY = Registry("PyTorch", TorchTransport(), MpiTransport(), HorovodTorchTransport())
 
 
-def private_comm(over: Communicator, why: str) -> PrivateGroupComm:
-    """The private group over ``over``, built on first use, once per communicator
-    (``why``: for the log line that names the transport)."""
-    return REGISTRY.cached(("private", id(over)), lambda: PrivateGroupComm(over),
+def private_comm(over: Communicator, why: str, layer: str = "private_group") -> PrivateGroupComm:
+    """The private group over ``over``, built on first use (``layer``'s first collective),
+    once per communicator (``why``: for the log line that names the transport)."""
+    return REGISTRY.cached(("private", id(over)), lambda: PrivateGroupComm(over, layer),
                            f"{why}: a torch.distributed group of its own, bootstrapped over {over.kind}")
 
 
@@ -254,7 +289,8 @@ def _private_over_auto(request: Request, registry: Registry) -> Communicator:
             f"{request.layer}: comm='torch' needs torch.distributed.init_process_group() first, or a job started "
             f"by mpirun (with mpi4py) or horovodrun (after hvd.init()) to build a private group over ({why})")
     over = registry.resolve("auto", request)
-    return LocalCommunicator(size=1) if over is None else private_comm(over, "comm='torch' with no process group")
+    return LocalCommunicator(size=1) if over is None else private_comm(over, "comm='torch' with no process group",
+                                                                      request.layer)
 
 
 _resolved: dict = {}
@@ -281,14 +317,14 @@ def resolve(kind: Any, process_set: Any, layer: str, nccl: bool = False) -> Opti
     if isinstance(kind, Communicator):  # the user's, as it is (never remembered by id: ids are reused)
         return kind if kind.size > 1 else None
     hvd_on = _horovod_on()
-    state = (kind, os.environ.get(COMM_ENV), hvd_on,
+    state = (kind, os.environ.get(COMM_ENV), hvd_on and (hvd.size(), hvd.rank()),  # a new world after a reset
              _world(), _set_key(process_set), nccl,
              os.environ.get(private_group.ENV))
     if state not in _resolved:
         comm = REGISTRY.resolve(kind, _request(process_set, layer, hvd_on))
         if nccl and comm is not None and comm.kind in ("mpi", "horovod") and dist.is_nccl_available() \
                 and private_group.enabled() and requested_kind(kind) == "auto":
-            comm = private_comm(comm, "CUDA statistics")
+            comm = private_comm(comm, "CUDA statistics", layer)
         _resolved[state] = comm
     return _resolved[state]
 
