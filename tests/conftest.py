@@ -93,6 +93,19 @@ class ThreadComm(comm.Communicator):
         with self.shared["lock"]:
             return dict(self.shared[handle])
 
+    def mark_waiting(self, row, key):
+        """Row by row where the gather is (a store's or MPI's point to point), keyed by the
+        collective; where the gather is one collective it cannot (``None``)."""
+        if not self.partial_gather:
+            return None
+        handle = ("waiting", key)
+        with self.shared["lock"]:
+            self.shared.setdefault(handle, {})[self.rank] = np.array(row)
+        return handle
+
+    def waiting(self, handle):
+        return self.gathered(handle)
+
     def start(self, buf, name):
         with self.shared["lock"]:
             slots = self.shared.setdefault(self.calls, {})

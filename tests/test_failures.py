@@ -17,6 +17,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 
 import pytest
 import torch
@@ -47,19 +48,21 @@ RESULT = re.compile(r"RESULT rank=(\d+) elapsed=([\d.]+) error=(\w+)\n(.*?)(?=\n
 
 
 def launch(args: list, launcher: str, world: int, timeout: float = 120, seconds: float = T,
-           launcher_args: tuple = ()) -> tuple:
-    """Run ``args`` at ``world`` ranks with ``HVD_SYNCBN_TIMEOUT=seconds`` (and the
-    launcher's own ``launcher_args``); ``(exit code, {rank: its output})``, ranks' outputs
-    kept apart (horovodrun prefixes lines, mpirun writes a file per rank)."""
+           launcher_args: tuple = (), env_extra: Optional[dict] = None) -> tuple:
+    """Run ``args`` at ``world`` ranks with ``HVD_SYNCBN_TIMEOUT=seconds`` and ``env_extra``
+    (and the launcher's own ``launcher_args``); ``(exit code, {rank: its output})``, ranks'
+    outputs kept apart (horovodrun prefixes lines, mpirun writes a file per rank)."""
     env = clean_env()
     env["HVD_SYNCBN_TIMEOUT"] = str(seconds)
+    env.update(env_extra or {})
     tmp = Path(os.environ.get("TMPDIR", "/tmp")) / f"hvd_syncbn_fail_{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     cmd = launch_command(launcher, world) + list(launcher_args)
     if launcher == "torchrun":
-        cmd = [str(BIN / "torchrun"), "--nproc-per-node", str(world), "--tee", "3"]
+        cmd = [str(BIN / "torchrun"), "--nproc-per-node", str(world), "--tee", "3", *launcher_args]
     if launcher == "mpirun":
-        cmd += ["-x", "HVD_SYNCBN_TIMEOUT", "--output-filename", str(tmp)]
+        cmd += ["-x", "HVD_SYNCBN_TIMEOUT", *(a for k in (env_extra or {}) for a in ("-x", k)),
+                "--output-filename", str(tmp)]
     python = [] if launcher == "torchrun" else [sys.executable]  # torchrun runs the script with its own
     out = subprocess.run(cmd + [*python, *args], cwd=ROOT, env=env, capture_output=True, text=True,
                          timeout=timeout)
