@@ -91,8 +91,9 @@ class MpiCommunicator(Communicator):
         if comm is None:
             world = MPI.COMM_WORLD
             if ranks is None or sorted(ranks) == list(range(world.Get_size())):
-                (comm, made), (side, made_side) = world.Idup(), world.Idup()
-                self._set_up(world, [made, made_side], layer)
+                comm, made = world.Idup()
+                self._set_up(world, [made], layer)
+                side = comm.Dup()  # every rank is here now: one nonblocking duplicate in flight at a time
             else:  # MPI_Comm_create_group has no nonblocking form: it waits for the group's ranks
                 group = world.Get_group().Incl(sorted(ranks))
                 comm, side = world.Create_group(group, tag=1), world.Create_group(group, tag=2)
