@@ -238,7 +238,7 @@ def receive_weights(model, root: int, name: str) -> None:
 
 
 def fit_like_one_process(make_model, make_opt, tail, classes, per_rank=2, steps=3, as_accurate_as_float32=False,
-                         pattern=None, on_gpu_host=False, jit_compile="auto", stats=None):
+                         pattern=None, on_gpu_host=False, jit_compile="auto", stats=None, dataset=False, vocab=0):
     """``model.fit`` on this rank's slices == one process fitting the whole batches
     (plain Keras BN, in float64: Keras's float32 variance is itself off by ~1e-5).
 
@@ -259,6 +259,9 @@ def fit_like_one_process(make_model, make_opt, tail, classes, per_rank=2, steps=
 
     ``on_gpu_host``: ``compile()`` with its defaults while a GPU is listed.
     ``jit_compile``: ``compile()``'s, asserted to stand. ``stats``: the converted layers'.
+    ``dataset``: each rank fits a ``tf.data`` pipeline ``.batch()``-ed the usual way (its
+    batch dimension ``None``), not numpy arrays. ``vocab``: integer inputs below it (an
+    ``Embedding``'s), not floats.
     """
     keras.utils.set_random_seed(0)
     sync = convert_sync_batchnorm(make_model(), stats=stats)
@@ -275,6 +278,8 @@ def fit_like_one_process(make_model, make_opt, tail, classes, per_rank=2, steps=
     sizes = shard_sizes(pattern or [per_rank], WORLD)  # rows per rank in every step
     rows, part = sum(sizes), shard_slice(sizes, RANK)
     x_all = global_batch(30, rows * steps, tail)
+    if vocab:
+        x_all = (np.abs(x_all) * vocab / 3).astype(np.int32) % vocab
     y_all = global_batch(31, rows * steps, (classes,))
     mine = np.concatenate([np.arange(s * rows + part.start, s * rows + part.stop) for s in range(steps)])
     with gpu_listed() if on_gpu_host else contextlib.nullcontext():
@@ -290,8 +295,14 @@ def fit_like_one_process(make_model, make_opt, tail, classes, per_rank=2, steps=
         assert sync.jit_compile is False, "Keras chose XLA for a model with SyncBatchNormalization"
     if jit_compile is True:
         assert sync.jit_compile is True, "Keras turned XLA off"
-    hist = sync.fit(x_all[mine], y_all[mine], batch_size=max(sizes[RANK], 1), shuffle=False, verbose=0,
-                    callbacks=[BroadcastGlobalVariablesCallback(0), MetricAverageCallback(), CheckSyncBatchNorm()])
+    batch, callbacks = max(sizes[RANK], 1), [BroadcastGlobalVariablesCallback(0), MetricAverageCallback(),
+                                                 CheckSyncBatchNorm()]
+    if dataset:
+        data = tf.data.Dataset.from_tensor_slices((x_all[mine], y_all[mine])).batch(batch)
+        assert data.element_spec[0].shape[0] is None
+        hist = sync.fit(data, shuffle=False, verbose=0, callbacks=callbacks)
+    else:
+        hist = sync.fit(x_all[mine], y_all[mine], batch_size=batch, shuffle=False, verbose=0, callbacks=callbacks)
     for i, (dtype, model) in enumerate(references.items()):  # float32 compiled as ours: XLA's rounds differently
         owner = i % WORLD  # one rank fits each reference (the same one process on every rank) and sends it
         if RANK == owner:
@@ -344,6 +355,41 @@ def test_fit_inside_xla_matches_one_process():
             fit_like_one_process(*args, pattern=UNEQUAL, jit_compile=True)
         return
     fit_like_one_process(*args, pattern=UNEQUAL, jit_compile=True)
+
+
+def dense_3d_model(bn=None):
+    """A transformer MLP block's Dense layers on 3-D input: the kernels' gradients traced
+    with the batch dimension of a ``.batch()``-ed dataset, ``None``."""
+    inputs = keras.Input((5, 6))
+    x = keras.layers.Dense(8, activation="relu", name="mlp_in")(inputs)
+    x = keras.layers.Dense(6, name="mlp_out")(x)
+    return keras.Model(inputs, keras.layers.Dense(4, name="head")(keras.layers.Flatten()(x)), name="mlp")
+
+
+def embedding_model(bn=None):
+    """An ``Embedding`` (a sparse gradient, ``IndexedSlices``) before a Dense head."""
+    inputs = keras.Input((5,), dtype="int32")
+    x = keras.layers.Embedding(11, 3, name="embed")(inputs)
+    return keras.Model(inputs, keras.layers.Dense(4, name="head")(keras.layers.Flatten()(x)), name="embedding")
+
+
+XLA_OPTIMIZER_CASES = {"conv_syncbn": (small_model, (8, 8, 3), 0), "dense_3d": (dense_3d_model, (5, 6), 0),
+                       "embedding": (embedding_model, (5,), 11)}
+
+
+@pytest.mark.parametrize("case", XLA_OPTIMIZER_CASES)
+def test_xla_optimizer_from_a_batched_dataset_matches_one_process(case):
+    """``jit_compile=True`` and a ``.batch()``-ed ``tf.data`` pipeline (unequal shards):
+    DistributedOptimizer sums the gradients inside XLA, sized by the variables whatever
+    the traced shapes, a sparse one too; equals one process."""
+    make, tail, vocab = XLA_OPTIMIZER_CASES[case]
+    if GLOO:
+        with pytest.raises(Exception, match="launch with mpirun"):
+            fit_like_one_process(make, OPTIMIZERS["sgd"], tail, 4, pattern=UNEQUAL, jit_compile=True, dataset=True,
+                                 vocab=vocab)
+        return
+    fit_like_one_process(make, OPTIMIZERS["sgd"], tail, 4, pattern=UNEQUAL, jit_compile=True, dataset=True,
+                         vocab=vocab)
 
 
 def test_converted_renorm_model_fits_like_one_process():

@@ -39,7 +39,8 @@ TRANSPORT_TF = "global_batch or unequal_shards or fit_inside_xla or single_globa
 # allreduce outside XLA: its flags, a traced step without a host hop), and the other files
 # whole: Keras's own tests on the device path, the Keras models, the XLA allreduce. The
 # rest of ranks_tf.py runs at 2 ranks under horovodrun.
-MPI_TF = f"{TRANSPORT_TF} or device_path or check_callback or ranks_keras_bn or ranks_keras_models or ranks_xla"
+MPI_TF = (f"{TRANSPORT_TF} or device_path or check_callback or xla_optimizer or ranks_keras_bn or ranks_keras_models "
+          "or ranks_xla")
 # At 3 ranks under mpirun, also what an odd world with an empty rank changes beyond that:
 # the renorm fit's empty tower, the mismatch naming two waiting ranks, the converted
 # MobileNetV2 on the host path (its one world size), the XLA allreduce; the optimizers'

@@ -15,6 +15,7 @@ import warnings
 from typing import Any
 
 import keras
+import numpy as np
 import tensorflow as tf
 
 from . import xla
@@ -70,7 +71,9 @@ def DistributedOptimizer(optimizer: keras.optimizers.Optimizer, op: Any = None,
         _hvd_syncbn_allreduce = True  # read by _train_without_xla
 
         def apply(self, grads, trainable_variables=None):
-            return super().apply(_allreduce_grads(grads, op, process_set), trainable_variables)
+            variables = trainable_variables if trainable_variables is not None else getattr(
+                self, "_trainable_variables", None)  # Keras's own, as its apply falls back to them
+            return super().apply(_allreduce_grads(grads, variables, op, process_set), trainable_variables)
 
     # Save as the plain class: a checkpoint then loads in a process without Horovod.
     _Distributed.__name__, _Distributed.__qualname__ = base.__name__, base.__qualname__
@@ -78,17 +81,21 @@ def DistributedOptimizer(optimizer: keras.optimizers.Optimizer, op: Any = None,
     return _Distributed.from_config(optimizer.get_config())
 
 
-def _allreduce_grads(grads, op, process_set):
+def _allreduce_grads(grads, variables, op, process_set):
+    """``grads`` of ``variables`` averaged (or summed, ``op``) over the ranks of
+    ``process_set``; a sparse gradient (``IndexedSlices``, an ``Embedding``'s) densified
+    to its variable's shape."""
     hvd, ps = horovod("DistributedOptimizer"), resolve_process_set(process_set)
     if xla.in_xla() and (xla.available() is not None or ps.size() != hvd.size()):
         refuse_xla(f"DistributedOptimizer ({xla.available() or 'a process set: only all ranks inside XLA'})")
     if ps.size() == 1:
         return grads
-    grads = list(grads)
+    grads, variables = list(grads), list(variables or ())
     present = [i for i, g in enumerate(grads) if g is not None]
     dense = [tf.convert_to_tensor(grads[i]) for i in present]  # IndexedSlices -> dense
     if xla.in_xla():
-        reduced = _xla_sum(dense, 1.0 / ps.size() if op == hvd.Average else 1.0)
+        shapes = [tuple((variables[i] if variables else dense[k]).shape) for k, i in enumerate(present)]
+        reduced = _xla_sum(dense, shapes, 1.0 / ps.size() if op == hvd.Average else 1.0)
     else:
         reduced = hvd.grouped_allreduce(dense, op=op, process_set=ps, name="hvd_syncbn.gradients")
     for i, g in zip(present, reduced):
@@ -96,13 +103,16 @@ def _allreduce_grads(grads, op, process_set):
     return grads
 
 
-def _xla_sum(grads: list, scale: float) -> list:
+def _xla_sum(grads: list, shapes: list, scale: float) -> list:
     """``grads`` summed over all ranks (times ``scale``) inside XLA: packed into one float64
-    buffer for hvd_syncbn's XLA allreduce over MPI, unpacked in their shapes and dtypes."""
-    flat = tf.concat([tf.reshape(tf.cast(g, tf.float64), [-1]) for g in grads], 0)
+    buffer for hvd_syncbn's XLA allreduce over MPI, unpacked in their dtypes and ``shapes``
+    (their variables': static, where XLA may have traced a gradient's as ``(None, k)``, a
+    batch dimension of a ``.batch()``-ed dataset carried through a Dense on 3-D input)."""
+    sizes = [int(np.prod(shape, dtype=np.int64)) for shape in shapes]
+    flat = tf.concat([tf.reshape(tf.cast(g, tf.float64), [n]) for g, n in zip(grads, sizes)], 0)
     summed = xla.allreduce(flat, "hvd_syncbn.gradients") * scale
-    parts = tf.split(summed, [g.shape.num_elements() for g in grads])
-    return [tf.cast(tf.reshape(p, g.shape), g.dtype) for p, g in zip(parts, grads)]
+    parts = tf.split(summed, sizes)
+    return [tf.cast(tf.reshape(p, shape), g.dtype) for p, g, shape in zip(parts, grads, shapes)]
 
 
 def _train_without_xla(model: keras.Model) -> None:
