@@ -9,12 +9,13 @@ except ImportError as e:
 
 from .batchnorm import SyncBatchNormalization
 from .functional import sync_batch_normalization
-from .convert import convert_sync_batchnorm
+from .convert import convert_sync_batchnorm, revert_sync_batchnorm
 from .device import CheckSyncBatchNorm, check
 from .training import (BroadcastGlobalVariablesCallback, DistributedOptimizer, MetricAverageCallback,
                        broadcast_variables)
 
 __all__ = [
-    "SyncBatchNormalization", "convert_sync_batchnorm", "sync_batch_normalization", "check", "CheckSyncBatchNorm",
+    "SyncBatchNormalization", "convert_sync_batchnorm", "revert_sync_batchnorm", "sync_batch_normalization", "check",
+    "CheckSyncBatchNorm",
     "DistributedOptimizer", "BroadcastGlobalVariablesCallback", "MetricAverageCallback", "broadcast_variables",
 ]

@@ -20,7 +20,7 @@ import keras  # noqa: E402
 
 from hvd_syncbn.tensorflow import (  # noqa: E402
     BroadcastGlobalVariablesCallback, DistributedOptimizer, MetricAverageCallback, SyncBatchNormalization,
-    convert_sync_batchnorm,
+    convert_sync_batchnorm, revert_sync_batchnorm,
 )
 from keras_models import small_model  # noqa: E402
 from oracle import UNEQUAL, assert_close, global_batch  # noqa: E402
@@ -265,3 +265,71 @@ def test_keras_file_saved_here_loads_in_a_plain_process(rank_tmp):
                           str(path.with_suffix(".x.npy"))], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     assert_close(np.load(path.with_suffix(".y.npy")), want, "predictions after load in a plain process")
+
+
+def layers(model) -> dict:
+    """Every layer of ``model`` (nested ones too) by name: its class and config (the inputs
+    aside, whose generated names cloning changes)."""
+    return {layer.name: (type(layer), layer.get_config()) for layer in model._flatten_layers(include_self=False)
+            if not isinstance(layer, keras.layers.InputLayer)}
+
+
+def test_revert_undoes_the_converter_exactly():
+    """A converted model (nested, and renorm's statistics) reverted: every layer is Keras's
+    own BN with the original's config and weights; converted again, the converted model's."""
+    keras.utils.set_random_seed(0)
+    for model in (small_model(), renorm_model()):
+        x = global_batch(9, 4, model.input_shape[1:])
+        model(x, training=True)  # moving statistics off their initial values
+        converted = convert_sync_batchnorm(model)
+        plain = revert_sync_batchnorm(converted)
+        assert layers(plain) == layers(model)
+        assert [w.path for w in plain.weights] == [w.path for w in model.weights]
+        assert all(np.array_equal(a, b) for a, b in zip(plain.get_weights(), model.get_weights()))
+        assert layers(convert_sync_batchnorm(plain)) == layers(converted)
+        assert_close(plain(x, training=False), converted(x, training=False), "inference output")
+
+
+def test_reverted_model_saves_files_that_load_without_hvd_syncbn(rank_tmp):
+    """``.keras`` and ``.weights.h5`` of a reverted model, in a process where hvd_syncbn
+    cannot be imported: the model loads, and the weights load into the plain model built
+    by hand; both predict as before."""
+    keras.utils.set_random_seed(0)
+    x = global_batch(11, 6, (8, 8, 3))
+    converted = small_model(SyncBatchNormalization)
+    converted(x, training=True)
+    plain = revert_sync_batchnorm(converted)
+    plain.save(rank_tmp / "m.keras")
+    plain.save_weights(rank_tmp / "m.weights.h5")
+    np.save(rank_tmp / "x.npy", x)
+    code = (
+        "import sys; sys.modules['hvd_syncbn'] = None\n"
+        "import numpy as np, keras\nsys.path.insert(0, sys.argv[2])\nfrom keras_models import small_model\n"
+        "d = sys.argv[1]; x = np.load(d + '/x.npy')\n"
+        "m = keras.models.load_model(d + '/m.keras')\n"
+        "h = small_model(); h(x[:1]); h.load_weights(d + '/m.weights.h5')\n"
+        "np.save(d + '/y.npy', np.stack([m.predict(x, verbose=0), h.predict(x, verbose=0)]))\n"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "PMIX_", "HOROVOD_"))}
+    out = subprocess.run([sys.executable, "-c", code, str(rank_tmp), os.path.dirname(os.path.dirname(__file__))],
+                         env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    want = converted.predict(x, verbose=0)
+    for got in np.load(rank_tmp / "y.npy"):
+        assert_close(got, want, "predictions of the reverted model loaded without hvd_syncbn")
+
+
+def test_revert_refuses_what_it_cannot_revert():
+    class SyncTwiceBN(SyncBatchNormalization):
+        pass
+
+    with pytest.raises(ValueError, match="revert_sync_batchnorm: expected a Sequential or functional keras.Model, "
+                                         "got Dense"):
+        revert_sync_batchnorm(keras.layers.Dense(3))
+    with pytest.raises(ValueError, match=r"layer 'rn' is a .*SyncTwiceBN, a subclass of SyncBatchNormalization this "
+                                         r"function does not know.*classes="):
+        revert_sync_batchnorm(renorm_model(SyncTwiceBN))
+    reverted = revert_sync_batchnorm(renorm_model(SyncTwiceBN), classes={SyncTwiceBN: keras.layers.BatchNormalization})
+    assert type(reverted.get_layer("rn")) is keras.layers.BatchNormalization
+    with pytest.raises(TypeError, match="expected classes to map SyncBatchNormalization subclasses"):
+        revert_sync_batchnorm(renorm_model(), classes={SyncTwiceBN: SyncBatchNormalization})
