@@ -43,7 +43,7 @@ def test_a_rank_working_alone_for_less_than_the_timeout_makes_its_peer_warn_and_
     assert "has waited" not in logs.get(0, ""), logs.get(0, "")[-2000:]
 
 
-FIRST_CASES = [("update_bn", "torchrun"), ("eval", "torchrun"), ("update_bn", "mpirun"), ("eval", "mpirun")]
+FIRST_CASES = [("update_bn", "torchrun"), ("eval", "mpirun")]  # each way in, each way to set up (9 s each)
 
 
 @pytest.mark.parametrize("scenario, launcher", FIRST_CASES, ids=[f"{s}-{l}" for s, l in FIRST_CASES])
