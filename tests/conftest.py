@@ -219,6 +219,20 @@ def gloo_world(tmp_path, monkeypatch):
 
 
 @pytest.fixture
+def rendezvous(monkeypatch):
+    """horovodrun's rendezvous store (the HTTP server it runs for Gloo), in this process,
+    and its address in the environment as horovodrun sets it."""
+    http_server = pytest.importorskip("horovod.runner.http.http_server")
+    server = http_server.RendezvousServer()
+    port = server.start()
+    server.init([])
+    monkeypatch.setenv("HOROVOD_GLOO_RENDEZVOUS_ADDR", "127.0.0.1")
+    monkeypatch.setenv("HOROVOD_GLOO_RENDEZVOUS_PORT", str(port))
+    yield port
+    server.stop()
+
+
+@pytest.fixture
 def rank_tmp():
     """A temporary folder of this process's own. (pytest's ``tmp_path`` keeps one numbered
     base folder and a ``pytest-current`` link per user, which the ranks of a job race to

@@ -496,20 +496,6 @@ def test_an_abort_that_hangs_ends_the_process_within_half_the_timeout():
     assert took < 10, f"took {took:.1f} s"
 
 
-@pytest.fixture
-def rendezvous(monkeypatch):
-    """horovodrun's rendezvous store (the HTTP server it runs for Gloo), here in-process,
-    and its address in the environment as horovodrun sets it."""
-    http_server = pytest.importorskip("horovod.runner.http.http_server")
-    server = http_server.RendezvousServer()
-    port = server.start()
-    server.init([])
-    monkeypatch.setenv("HOROVOD_GLOO_RENDEZVOUS_ADDR", "127.0.0.1")
-    monkeypatch.setenv("HOROVOD_GLOO_RENDEZVOUS_PORT", str(port))
-    yield port
-    server.stop()
-
-
 def over_the_store(comms: list, group: int = 0) -> list:
     for c in comms:
         c.side_comm = store_rows.rendezvous_rows(c.rank, c.size, group)

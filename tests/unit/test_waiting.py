@@ -179,7 +179,7 @@ def test_a_new_horovod_world_gets_new_communicators():
     assert before.size == 2 and after is None and built == [(2, 1), (1, 0)]
 
 
-def test_a_restarted_jobs_diagnosis_reads_its_own_attempt(rendezvous_store, monkeypatch):
+def test_a_restarted_jobs_diagnosis_reads_its_own_attempt(rendezvous, monkeypatch):
     """torchrun keeps its store across restarts: rows that attempt 0 wrote are not attempt
     1's, whose silent rank is named as silent."""
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job7")
@@ -192,15 +192,3 @@ def test_a_restarted_jobs_diagnosis_reads_its_own_attempt(rendezvous_store, monk
     handle = again.start_gather(np.zeros(3))
     assert set(again.gathered(handle)) == {0}, "attempt 1 read attempt 0's row"
     assert again.scope.endswith("job7.1") and first[0].scope.endswith("job7.0")
-
-
-@pytest.fixture
-def rendezvous_store(monkeypatch):
-    http_server = pytest.importorskip("horovod.runner.http.http_server")
-    server = http_server.RendezvousServer()
-    port = server.start()
-    server.init([])
-    monkeypatch.setenv("HOROVOD_GLOO_RENDEZVOUS_ADDR", "127.0.0.1")
-    monkeypatch.setenv("HOROVOD_GLOO_RENDEZVOUS_PORT", str(port))
-    yield port
-    server.stop()
