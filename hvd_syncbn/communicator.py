@@ -5,7 +5,7 @@ float64 buffers polled against a deadline (and a gather for the diagnosis), with
 from __future__ import annotations
 
 import time
-from typing import Any, Dict
+from typing import Any, Dict, List, Optional
 
 import numpy as np
 
@@ -26,6 +26,24 @@ class Communicator:
     traceable = False
     """Whether a compiler can trace its collectives (``torch.distributed``'s functional
     collectives); else an adapter wraps :func:`allreduce` in an opaque op."""
+    ranks: Optional[List[int]] = None
+    """The launch's ranks of this group, by rank in it (``None``: ranks ``0 … size−1``), as
+    the diagnosis and warnings name them."""
+
+    def prepare(self, call: Any) -> None:
+        """Make what ``call``, this communicator's first collective, needs (a
+        ``torch.distributed`` group of SyncBN's own), bounded as a collective is."""
+
+    def subgroup(self, groups: List[List[int]], layer: str) -> "Communicator":
+        """A communicator of the group of ``groups`` (a partition of this one's ranks,
+        the same on every rank) that holds this rank, made when every rank is here (BN
+        groups: :mod:`hvd_syncbn.groups`)."""
+        raise ValueError(f"{layer}: group_size needs a transport that makes groups of ranks (torch.distributed, MPI "
+                         f"or Horovod), got a {type(self).__name__} ({self.kind}), which does not")
+
+    def launch_ranks(self, ranks: List[int]) -> List[int]:
+        """The launch's ranks of this group's ``ranks``."""
+        return ranks if self.ranks is None else [self.ranks[r] for r in ranks]
 
     def start(self, buf: Any, name: str) -> Any:
         """Begin summing ``buf``, a float64 numpy buffer (or a CUDA one, see

@@ -97,27 +97,32 @@ def _ranks(ranks: List[int]) -> str:
 
 
 def describe(calls: Dict[int, Call], me: Call, size: int, reason: str, partial: bool = True,
-             kind: str = "this transport", broken: str = "") -> str:
+             kind: str = "this transport", broken: str = "", ranks: Optional[List[int]] = None) -> str:
     """The message every rank raises: who waits where, who is missing, and why.
 
     ``calls``: the answering ranks' calls by rank (:func:`_exchange`); ``partial``:
     whether those came row by row, so that the others are surely not in a collective
     (else the side channel, over ``kind``, is one collective that an absent rank holds
-    back for all); ``broken``: the side channel's own error, if it failed.
+    back for all); ``broken``: the side channel's own error, if it failed; ``ranks``: the
+    launch's ranks of a group (its rank ``r`` is ``ranks[r]``), which the message names.
     """
-    lines = [f"SyncBatchNorm: ranks disagree or stopped ({reason}); this is rank {me.rank}, in {me.where()}."]
+    ranks = None if ranks is None or list(ranks) == list(range(size)) else list(ranks)
+    name = (lambda r: r) if ranks is None else ranks.__getitem__
+    group = "" if ranks is None else f" (SyncBN's group of ranks {ranks})"
+    lines = [f"SyncBatchNorm: ranks disagree or stopped ({reason}); this is rank {name(me.rank)}{group}, "
+             f"in {me.where()}."]
     groups: dict = {}
     for c in calls.values():
         groups.setdefault(c.where(), []).append(c)
     everyone = list(range(size))
     for where, members in groups.items():
         waiting = [c.rank for c in members]
-        missing = [r for r in everyone if r not in waiting]
-        lines.append(f"  ranks {waiting} are waiting in {where}; missing there: ranks {missing}")
+        missing = [name(r) for r in everyone if r not in waiting]
+        lines.append(f"  ranks {[name(r) for r in waiting]} are waiting in {where}; missing there: ranks {missing}")
         for c in members:
             if c.problem:
-                lines.append(f"    rank {c.rank}: {c.problem}")
-    silent = [r for r in everyone if r not in calls]
+                lines.append(f"    rank {name(c.rank)}: {c.problem}")
+    silent = [name(r) for r in everyone if r not in calls]
     if silent and broken:
         lines.append(f"  {_ranks(silent)}: no answer, as the diagnosis over {kind} failed ({broken}).")
     elif silent and not partial and list(calls) == [me.rank]:
@@ -146,7 +151,7 @@ def fail(comm: Communicator, call: Call, reason: str, error: type = SyncBatchNor
     since = time.monotonic() if since is None else since
     side = comm.side()
     calls, broken = _exchange(side, call, since + get_timeout() + grace())
-    message = describe(calls, call, comm.size, reason, side.partial_gather, side.kind, broken)
+    message = describe(calls, call, comm.size, reason, side.partial_gather, side.kind, broken, comm.ranks)
     log.error("%s", message)
     if stuck:
         schedule_abort(comm, since, silent=len(calls) < comm.size)  # silent: stopped, dead, or cut off

@@ -47,6 +47,8 @@ class SyncBatchNormPlugin(LayerSync):
         process_group: ``process_set`` under ``torch.nn.SyncBatchNorm``'s name; give
             one of the two, not both.
         classes: more conversions, as for :func:`~hvd_syncbn.torch.convert_sync_batchnorm`.
+        group_size: BN groups, as for :class:`~hvd_syncbn.torch.SyncBatchNorm`: ``k``
+            consecutive ranks or ``"node"``. Default: ``None`` (all ranks).
 
     Examples::
 
@@ -57,11 +59,12 @@ class SyncBatchNormPlugin(LayerSync):
 
     def __init__(self, process_set: Any = None, *, comm: Any = None, check_finite: bool = False,
                  stats: Optional[str] = None, process_group: Any = None,
-                 classes: Optional[Mapping[type, type]] = None) -> None:
+                 classes: Optional[Mapping[type, type]] = None, group_size: Any = None) -> None:
         requested_kind(comm)  # bad arguments fail at the Trainer's construction, not in fit
         validation.stats_choice("SyncBatchNormPlugin", stats)
-        self.process_set = one_group("SyncBatchNormPlugin", process_set, process_group)
-        self.layer_args = dict(comm=comm, check_finite=check_finite, stats=stats, classes=classes)
+        self.process_set = one_group("SyncBatchNormPlugin", process_set, process_group, group_size)
+        self.layer_args = dict(comm=comm, check_finite=check_finite, stats=stats, classes=classes,
+                               group_size=group_size)
 
     def apply(self, model: nn.Module) -> nn.Module:
         """``model`` with its BN layers converted to :class:`~hvd_syncbn.torch.SyncBatchNorm`."""

@@ -95,12 +95,17 @@ class MpiCommunicator(Communicator):
                 self._set_up(world, [made], layer)
                 side = comm.Dup()  # every rank is here now: one nonblocking duplicate in flight at a time
             else:  # MPI_Comm_create_group has no nonblocking form: it waits for the group's ranks
-                group = world.Get_group().Incl(sorted(ranks))
+                self.ranks = sorted(ranks)
+                group = world.Get_group().Incl(self.ranks)
                 comm, side = world.Create_group(group, tag=1), world.Create_group(group, tag=2)
             self._side = MpiCommunicator(comm=side)
         self.comm = comm
         self.rank, self.size = comm.Get_rank(), comm.Get_size()
         self.device_buffers = mpi_reads_cuda()
+
+    def subgroup(self, groups, layer):
+        mine = next(g for g in groups if self.rank in g)
+        return MpiCommunicator(self.launch_ranks(mine), layer=layer)
 
     def _set_up(self, world: Any, requests: list, layer: str) -> None:
         """Wait for the duplicates of ``world`` (``requests``: ``MPI_Comm_idup``'s), made at

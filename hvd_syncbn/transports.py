@@ -207,6 +207,34 @@ def alone_in_a_launch(layer: str, framework: str, why: str) -> None:
     warnings.warn(f"{message}; set {STRICT_ENV}=1 to make this an error", RuntimeWarning)
 
 
+DYNAMIC_SETS_ENV = "HOROVOD_DYNAMIC_PROCESS_SETS"
+
+
+def process_set_of(hvd: Any, ranks: List[int], groups: List[List[int]], layer: str) -> Any:
+    """The Horovod process set of ``ranks``, one of the BN groups ``groups`` (the same on
+    every rank): registered at ``hvd.init(process_sets=...)``, else added now, every
+    group of 2+ ranks in order on every rank (with dynamic process sets), else a
+    ``ValueError`` saying how to register them. ``None`` for a group of one."""
+    from horovod.common import process_sets
+
+    def registered() -> Dict[tuple, int]:
+        return {tuple(sorted(r)): i for i, r in process_sets._basics._get_process_set_ids_and_ranks().items()}
+
+    missing = [g for g in groups if len(g) > 1 and tuple(g) not in registered()]
+    if missing and os.environ.get(DYNAMIC_SETS_ENV, "0") in ("", "0"):
+        sets = ", ".join(f"hvd.ProcessSet({g})" for g in missing)
+        raise ValueError(f"{layer}: group_size needs a Horovod process set per group, expected {missing} to be "
+                         f"registered; pass process_sets=[{sets}] to hvd.init(), or set {DYNAMIC_SETS_ENV}=1 "
+                         f"(or hvd.init(process_sets='dynamic')) to have them added")
+    for group in missing:
+        hvd.add_process_set(group)
+    if len(ranks) == 1:
+        return None
+    found = process_sets.ProcessSet(ranks)
+    found.process_set_id = registered()[tuple(ranks)]
+    return found
+
+
 def not_a_member(layer: str, rank: int, ranks: Any) -> ValueError:
     """The error for a layer built on a rank outside its process set."""
     return ValueError(f"{layer}: this rank ({rank}) is not in the layer's process set {ranks}; "

@@ -125,6 +125,17 @@ class ThreadComm(comm.Communicator):
     def side(self):
         return self.side_comm
 
+    def subgroup(self, groups, layer):
+        """A world of the threads of this rank's group (BN groups), with its own side channel."""
+        mine = next(g for g in groups if self.rank in g)
+        with self.shared["lock"]:
+            main, side = self.shared.setdefault(("group", tuple(mine)), ({"lock": threading.Lock()},
+                                                                          {"lock": threading.Lock()}))
+        sub = ThreadComm(main, mine.index(self.rank), len(mine))
+        sub.side_comm = ThreadComm(side, sub.rank, sub.size, self.side_comm.partial_gather)
+        sub.ranks = self.launch_ranks(mine)
+        return sub
+
 
 def world(size: int, partial_gather: bool = True) -> List[ThreadComm]:
     """One :class:`ThreadComm` per rank of a new world of ``size``, each with a side

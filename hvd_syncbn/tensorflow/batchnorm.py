@@ -12,6 +12,7 @@ import tensorflow as tf
 from hvd_syncbn import backend, validation
 from hvd_syncbn.comm import poison
 from hvd_syncbn.communicator import Communicator
+from hvd_syncbn.groups import check_group_size
 from hvd_syncbn.identity import make_call
 from hvd_syncbn.tensorflow import transports, xla
 from hvd_syncbn.tensorflow.device import DeferredChecks, GraphReducer
@@ -64,6 +65,13 @@ class SyncBatchNormalization(keras.layers.BatchNormalization):
             right after the batch or last), composite ops otherwise.
         process_set: Horovod process set (or its ranks) to synchronise within.
             Default: all ranks.
+        group_size: synchronise within groups of ranks instead (BN groups): ``k``
+            consecutive ranks (``k`` must divide the number of ranks), or ``"node"``, the
+            ranks on one host (groups may then differ in size). A group of one rank is
+            plain BN and makes no collective. Horovod needs a process set per group:
+            registered at ``hvd.init(process_sets=...)``, or added by the layer with
+            dynamic process sets (``HOROVOD_DYNAMIC_PROCESS_SETS=1``). Not with
+            ``process_set``. Default: ``None`` (all ranks).
         comm: how statistics travel: ``"horovod"``, ``"mpi"`` (mpi4py, under mpirun) or
             ``"auto"`` (MPI under mpirun with mpi4py, else Horovod). Default:
             ``$HVD_SYNCBN_COMM``, else ``"auto"``; ``"torch"`` (PyTorch's) is refused
@@ -91,7 +99,8 @@ class SyncBatchNormalization(keras.layers.BatchNormalization):
     """
 
     def __init__(self, axis=-1, momentum=0.99, epsilon=1e-3, *args, synchronized=True,
-                 process_set=None, comm=None, check_finite=False, fused=None, stats=None, **kwargs):
+                 process_set=None, comm=None, check_finite=False, fused=None, stats=None, group_size=None,
+                 **kwargs):
         axes = [axis] if isinstance(axis, int) else [int(a) for a in axis]
         if not axes:
             raise ValueError(f"SyncBatchNormalization: expected an axis or a non-empty list of axes, got {axis!r}")
@@ -99,6 +108,7 @@ class SyncBatchNormalization(keras.layers.BatchNormalization):
         super().__init__(axes[0], momentum, epsilon, *args, **kwargs)
         self.axis = axis if isinstance(axis, int) else axes
         self.process_set = process_set
+        self.group_size = check_group_size("SyncBatchNormalization", group_size, process_set)
         self.comm = comm
         self.check_finite = bool(check_finite)
         self.stats = validation.stats_choice("SyncBatchNormalization", stats)
@@ -165,7 +175,7 @@ class SyncBatchNormalization(keras.layers.BatchNormalization):
     def _fail_everywhere(self, inputs, problem: str) -> None:
         """Raise ``problem``; in training with peers, after joining the forward collective
         with a poisoned header, so that every rank raises it instead of waiting."""
-        comm = transports.resolve(self.comm, self.process_set, self.name)
+        comm = transports.resolve(self.comm, self.process_set, self.name, self.group_size)
         if comm is not None:
             identity = (self.name, int(np.prod(list(self._channels.values()))), len(inputs.shape), inputs.dtype.name)
             call = (GraphReducer(comm, self.process_set, *identity, self._sync_errors).next_call("fwd")
@@ -217,8 +227,8 @@ class SyncBatchNormalization(keras.layers.BatchNormalization):
         flags, or the host path's (see ``stats``)."""
         axes = self._reduction_axes
         if not self._on_device():
-            return host_reduce(self.name, x, axes, self.process_set, self.comm), GraphChecks()
-        comm = transports.resolve(self.comm, self.process_set, self.name)
+            return host_reduce(self.name, x, axes, self.process_set, self.comm, self.group_size), GraphChecks()
+        comm = transports.resolve(self.comm, self.process_set, self.name, self.group_size)
         if comm is None:  # alone
             return (lambda buf, direction: buf), DeferredChecks()
         self._sync_reducer = GraphReducer(comm, self.process_set, self.name, channel_count(x, axes), len(x.shape),
@@ -270,6 +280,7 @@ class SyncBatchNormalization(keras.layers.BatchNormalization):
         config = super().get_config()
         ps = self.process_set
         config["process_set"] = ps.ranks if hasattr(ps, "ranks") else ps
+        config["group_size"] = self.group_size
         config["comm"] = None if isinstance(self.comm, Communicator) else self.comm
         config["check_finite"] = self.check_finite
         config["stats"] = self.stats

@@ -8,6 +8,7 @@ from typing import Any, Callable, Dict, Mapping, Optional
 import keras
 
 from hvd_syncbn import validation
+from hvd_syncbn.groups import check_group_size
 
 from . import transports
 from .batchnorm import SyncBatchNormalization
@@ -19,7 +20,8 @@ class _UnknownSubclass(ValueError):
 
 def convert_sync_batchnorm(model: keras.Model, process_set: Any = None, *,
                            classes: Optional[Mapping[type, type]] = None, comm: Optional[str] = None,
-                           check_finite: bool = False, stats: Optional[str] = None) -> keras.Model:
+                           check_finite: bool = False, stats: Optional[str] = None,
+                           group_size: Any = None) -> keras.Model:
     """A copy of ``model`` with every ``keras.layers.BatchNormalization`` synchronised.
 
     Nested models are converted too; every weight (BN moving statistics, and renorm's,
@@ -36,7 +38,7 @@ def convert_sync_batchnorm(model: keras.Model, process_set: Any = None, *,
         classes: more conversions, ``{BatchNormalization subclass: SyncBatchNormalization
             subclass}``; the new layer is made ``from_config`` of the old one's config.
             Default: none.
-        comm, check_finite, stats: for every new layer, as in
+        comm, check_finite, stats, group_size: for every new layer, as in
             :class:`~hvd_syncbn.tensorflow.SyncBatchNormalization`.
 
     Returns:
@@ -45,12 +47,15 @@ def convert_sync_batchnorm(model: keras.Model, process_set: Any = None, *,
     Examples::
 
         >>> model = hvd_syncbn.tensorflow.convert_sync_batchnorm(keras.applications.ResNet50(weights=None))
+        >>> model = hvd_syncbn.tensorflow.convert_sync_batchnorm(model, group_size=8)  # BN groups of 8 ranks
     """
     _check_model("convert_sync_batchnorm", model)
     known = _known_classes(classes)
     validation.stats_choice("convert_sync_batchnorm", stats)  # checked here too: a model may have no BN layer
     transports.REGISTRY.requested(comm, "convert_sync_batchnorm")
-    settings = {"process_set": process_set, "comm": comm, "check_finite": check_finite, "stats": stats}
+    check_group_size("convert_sync_batchnorm", group_size, process_set)
+    settings = {"process_set": process_set, "comm": comm, "check_finite": check_finite, "stats": stats,
+                "group_size": group_size}
     return _rebuilt(model, _cloner(known, settings), "convert_sync_batchnorm",
                     "build a subclassed model's BN layers as SyncBatchNormalization instead")
 
@@ -110,7 +115,7 @@ def _cloner(known: Dict[type, type], settings: Dict[str, Any]) -> Callable[[Any]
     return clone
 
 
-SYNC_CONFIG = ("process_set", "comm", "check_finite", "stats")
+SYNC_CONFIG = ("process_set", "group_size", "comm", "check_finite", "stats")
 """What SyncBatchNormalization's config adds to BatchNormalization's (and ``synchronized``
 set, Keras's own, which plain BN leaves ``False``)."""
 

@@ -141,10 +141,11 @@ class GraphReducer:
         """The mpi4py communicator of the layer's group, for the XLA allreduce."""
         if isinstance(self.comm, MpiCommunicator):
             return self.comm.comm
-        if self.process_set is None:
+        if self.process_set is None and self.comm.ranks is None:
             return xla.default_comm()
-        raise ValueError(f"{layer}: inside XLA the statistics travel over MPI; a Horovod process set "
-                         f"({self.process_set!r}) needs comm='mpi' under mpirun")
+        group = f"process set ({self.process_set!r})" if self.process_set is not None else f"BN group {self.comm.ranks}"
+        raise ValueError(f"{layer}: inside XLA the statistics travel over MPI; a Horovod {group} needs comm='mpi' "
+                         f"under mpirun")
 
 
 def _sync_layers(model: keras.layers.Layer) -> Iterator[keras.layers.Layer]:

@@ -100,12 +100,13 @@ def channel_count(x: tf.Tensor, axes: Sequence[int]) -> int:
     return int(np.prod([d or -1 for a, d in enumerate(x.shape) if a not in axes]))
 
 
-def host_reduce(name: str, x: tf.Tensor, axes: Sequence[int], process_set: Any, comm: Any) -> backend.AllreduceSum:
+def host_reduce(name: str, x: tf.Tensor, axes: Sequence[int], process_set: Any, comm: Any,
+                group_size: Any = None) -> backend.AllreduceSum:
     """The host path's summing allreduce for the statistics of ``x`` (``tf.numpy_function``
     over the transport ``comm`` resolves to, with the deadline, header and diagnosis of
     :mod:`hvd_syncbn.comm`); refused inside XLA."""
     transports.refuse_xla(f"SyncBatchNormalization {name!r}")
-    return _allreduce_sum(transports.resolve(comm, process_set, name), name, x, channel_count(x, axes))
+    return _allreduce_sum(transports.resolve(comm, process_set, name, group_size), name, x, channel_count(x, axes))
 
 
 def _renorm_affine(renorm: Callable, gamma: Optional[tf.Tensor], beta: Optional[tf.Tensor], applied: dict):

@@ -14,9 +14,10 @@ from typing import Any, Optional
 import numpy as np
 import tensorflow as tf
 
-from hvd_syncbn.communicator import Communicator
+from hvd_syncbn.communicator import Communicator, LocalCommunicator
 from hvd_syncbn.store_rows import rendezvous_rows
-from hvd_syncbn.transports import HorovodTransport, MpiTransport, Registry, Request, not_a_member
+from hvd_syncbn.groups import grouped
+from hvd_syncbn.transports import HorovodTransport, MpiTransport, Registry, Request, not_a_member, process_set_of
 
 try:
     import horovod.tensorflow as hvd
@@ -42,6 +43,7 @@ class HorovodComm(Communicator):
     def __init__(self, process_set: Any, gather: bool = False) -> None:
         self.ps, self.gather = process_set, gather
         self.rank, self.size = process_set.rank(), process_set.size()
+        self.ranks = list(process_set.ranks) if process_set.process_set_id else None  # None: all ranks
         self._jobs: "queue.Queue[_Job]" = queue.Queue()
         self._side: Optional[Communicator] = None
         threading.Thread(target=self._serve, daemon=True, name="hvd_syncbn-horovod").start()
@@ -96,6 +98,11 @@ class HorovodComm(Communicator):
 
     def abort(self):
         hvd.shutdown()
+
+    def subgroup(self, groups, layer):
+        ps = process_set_of(hvd, self.launch_ranks(next(g for g in groups if self.rank in g)),
+                            [self.launch_ranks(g) for g in groups], layer)
+        return LocalCommunicator(size=1) if ps is None else HorovodComm(ps)
 
     def reset_error(self, error):
         from hvd_syncbn.elastic import reset_error
@@ -154,12 +161,13 @@ REGISTRY = Registry("TensorFlow", MpiTransport(), HorovodTFTransport())
 
 
 @tf.autograph.experimental.do_not_convert  # plain Python (MPI, Horovod): nothing for AutoGraph to trace
-def resolve(kind: Any, process_set: Any, layer: str) -> Optional[Communicator]:
-    """The communicator for a layer, or ``None`` when this process is alone (plain BN)."""
+def resolve(kind: Any, process_set: Any, layer: str, group_size: Any = None) -> Optional[Communicator]:
+    """The communicator for a layer, or ``None`` when this process is alone (plain BN): of
+    its BN group where ``group_size`` says (:mod:`hvd_syncbn.groups`)."""
     hvd_on = hvd is not None and hvd.is_initialized()
     ps = resolve_process_set(process_set) if hvd_on and not isinstance(kind, Communicator) else None
     if ps is not None and not ps.included():
         raise not_a_member(layer, hvd.rank(), ps.ranks)
     request = Request(layer, (hvd.size(), hvd.rank()) if hvd_on else None, False, ps,
                                  None if ps is None else ps.process_set_id, None if ps is None else list(ps.ranks))
-    return REGISTRY.resolve(kind, request)
+    return grouped(REGISTRY.resolve(kind, request), group_size, layer)

@@ -19,6 +19,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from hvd_syncbn import validation
 from hvd_syncbn.comm import Communicator
+from hvd_syncbn.groups import check_group_size
 from hvd_syncbn.torch import deferred, reducers, replicas, transports
 from hvd_syncbn.torch.device import Plan, plan as device_plan
 from hvd_syncbn.torch.kernels import cast, kernels_for
@@ -89,6 +90,13 @@ class SyncBatchNorm(_BatchNorm):
             ``"composite"``).
         process_group: ``process_set`` under ``torch.nn.SyncBatchNorm``'s name; give
             one of the two, not both.
+        group_size: synchronise within groups of ranks instead of all of them (BN
+            groups, as apex's ``group_size``): ``k`` consecutive ranks (``k`` must divide
+            the number of ranks), or ``"node"``, the ranks on one host (groups may then
+            differ in size). A group of one rank is plain BN and makes no collective;
+            the replicas of ``nn.DataParallel`` in one process are always in its group.
+            Not with ``process_set``; with ``comm`` a :class:`~hvd_syncbn.comm.Communicator`,
+            groups of its ranks. Default: ``None`` (all ranks).
 
     Under a launcher of several processes (torchrun, mpirun, srun, horovodrun), a
     training layer that finds no transport warns once per process that it normalises
@@ -122,16 +130,17 @@ class SyncBatchNorm(_BatchNorm):
         check_finite: bool = False,
         stats: Optional[str] = None,
         process_group: Any = None,
+        group_size: Any = None,
     ) -> None:
         _check_args(num_features, eps, momentum)
-        group = one_group("SyncBatchNorm", process_set, process_group)
+        group = one_group("SyncBatchNorm", process_set, process_group, group_size)
         if "bias" in inspect.signature(_BatchNorm.__init__).parameters:
             super().__init__(num_features, eps, momentum, affine, track_running_stats, device, dtype, bias=bias)
         else:  # torch before the keyword (2.11 and older): no β by hand, as torch's later versions do
             super().__init__(num_features, eps, momentum, affine, track_running_stats, device, dtype)
             if not bias and self.bias is not None:
                 self.register_parameter("bias", None)
-        self._init_sync(group, name, comm, check_finite, stats)
+        self._init_sync(group, name, comm, check_finite, stats, group_size)
 
     def reset_parameters(self) -> None:
         """As ``_BatchNorm``'s, for a layer without ``β`` too (older torch resets ``β`` unasked)."""
@@ -156,10 +165,11 @@ class SyncBatchNorm(_BatchNorm):
         return convert_sync_batchnorm(module, process_group=process_group, **layer_args)
 
     def _init_sync(self, process_set: Any, name: Optional[str], comm: Optional[str], check_finite: bool,
-                   stats: Optional[str] = None) -> None:
+                   stats: Optional[str] = None, group_size: Any = None) -> None:
         """Set what this class adds to ``_BatchNorm`` (also for a layer made by conversion)."""
         requested_kind(comm)
         self.process_set = process_set
+        self.group_size = group_size
         self.layer_name = name or f"SyncBatchNorm_{next(_layer_ids)}"
         self.comm = comm
         self.check_finite = bool(check_finite)
@@ -187,7 +197,7 @@ class SyncBatchNorm(_BatchNorm):
             self.__dict__.setdefault("_plans", {})
             self._register()
 
-    _SYNC_ATTRIBUTES = ("process_set", "layer_name", "comm", "check_finite", "stats", "_plans", "_sync_id")
+    _SYNC_ATTRIBUTES = ("process_set", "group_size", "layer_name", "comm", "check_finite", "stats", "_plans", "_sync_id")
     """What :meth:`_init_sync` sets (and the ``_sync_errors`` buffer); reverting to plain BN drops these."""
 
     def train(self, mode: bool = True) -> "SyncBatchNorm":
@@ -210,7 +220,8 @@ class SyncBatchNorm(_BatchNorm):
         return torch.float64 if x.dtype == torch.float64 else torch.float32
 
     def _resolve_comm(self, nccl: bool = False) -> Optional[Communicator]:
-        return transports.resolve(self.comm, self.process_set, self.layer_name, nccl)
+        return transports.resolve(self.comm, self.process_set, self.layer_name, nccl,
+                                  self.__dict__.get("group_size"))  # absent in layers pickled before it
 
     def _comm(self, nccl: bool = False) -> Optional[Communicator]:
         """The communicator of this call, or ``None`` when this process is alone; ``nccl``:
@@ -371,12 +382,15 @@ def stats_choice(stats: Optional[str]) -> str:
     return value
 
 
-def one_group(where: str, process_set: Any, process_group: Any) -> Any:
-    """The group of ranks given as ``process_set`` or under torch's name ``process_group``."""
+def one_group(where: str, process_set: Any, process_group: Any, group_size: Any = None) -> Any:
+    """The group of ranks given as ``process_set`` or under torch's name ``process_group``
+    (checked, with ``group_size``: :func:`~hvd_syncbn.groups.check_group_size`)."""
     if process_set is not None and process_group is not None:
         raise ValueError(f"{where}: expected process_set or process_group (torch's name for the same argument), "
                          f"got both; drop one of them")
-    return process_set if process_set is not None else process_group
+    group = process_set if process_set is not None else process_group
+    check_group_size(where, group_size, group)
+    return group
 
 
 def _check_args(num_features: Any, eps: Any, momentum: Any) -> None:

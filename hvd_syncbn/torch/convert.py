@@ -82,7 +82,7 @@ def _replace(module: nn.Module, swap: Callable[[nn.Module, str], Optional[nn.Mod
 def convert_sync_batchnorm(module: nn.Module, process_set: Any = None, *,
                            classes: Optional[Mapping[type, type]] = None, comm: Any = None,
                            check_finite: bool = False, stats: Optional[str] = None,
-                           process_group: Any = None) -> nn.Module:
+                           process_group: Any = None, group_size: Any = None) -> nn.Module:
     """Replace every BN layer in ``module`` by its synchronized form.
 
     - ``nn.BatchNorm1d/2d/3d`` and ``nn.SyncBatchNorm`` become :class:`SyncBatchNorm`
@@ -106,6 +106,8 @@ def convert_sync_batchnorm(module: nn.Module, process_set: Any = None, *,
             checked here, even when ``module`` holds no BN layer.
         process_group: ``process_set`` under ``torch.nn.SyncBatchNorm``'s name; give
             one of the two, not both.
+        group_size: BN groups, as :class:`SyncBatchNorm`'s, for every new layer (an
+            ``nn.SyncBatchNorm``'s ``process_group`` is then dropped). Default: ``None``.
 
     Returns:
         ``module`` with its BN children replaced in place, or the new layer if
@@ -117,28 +119,35 @@ def convert_sync_batchnorm(module: nn.Module, process_set: Any = None, *,
         >>> model = hvd_syncbn.torch.convert_sync_batchnorm(timm.create_model("efficientnet_b0"))
         >>> model = convert_sync_batchnorm(model, classes={MyBNAct: MySyncBNAct})
         >>> model = convert_sync_batchnorm(model, process_group=group, comm="torch")
+        >>> model = convert_sync_batchnorm(model, group_size="node")  # BN within each host
     """
-    process_set = one_group("convert_sync_batchnorm", process_set, process_group)
+    process_set = one_group("convert_sync_batchnorm", process_set, process_group, group_size)
     requested_kind(comm)  # a bad comm or stats fails here, not at the first synchronized step
     validation.stats_choice("convert_sync_batchnorm", stats)
+    classes = _checked(classes)
+
+    def swap(m: nn.Module, path: str) -> Optional[nn.Module]:
+        if not isinstance(m, _BatchNorm) or isinstance(m, SyncBatchNorm):
+            return None
+        cls = _sync_class(m, path, classes)
+        group = process_set if process_set is not None or group_size else getattr(m, "process_group", None)
+        new = _recast(m, cls)
+        new._init_sync(group, path or None, comm, check_finite, stats, group_size)
+        new._plain_class = type(m)
+        return new
+
+    return _replace(module, swap)
+
+
+def _checked(classes: Optional[Mapping[type, type]]) -> dict:
+    """``classes`` as a dict, checked: ``_BatchNorm`` subclasses to ``SyncBatchNorm`` subclasses."""
     classes = dict(classes or {})
     for plain, sync in classes.items():
         if not (isinstance(plain, type) and issubclass(plain, _BatchNorm)
                 and isinstance(sync, type) and issubclass(sync, SyncBatchNorm)):
             raise TypeError(f"convert_sync_batchnorm: expected classes to map _BatchNorm subclasses to "
                             f"SyncBatchNorm subclasses, got {plain!r}: {sync!r}")
-
-    def swap(m: nn.Module, path: str) -> Optional[nn.Module]:
-        if not isinstance(m, _BatchNorm) or isinstance(m, SyncBatchNorm):
-            return None
-        cls = _sync_class(m, path, classes)
-        group = process_set if process_set is not None else getattr(m, "process_group", None)
-        new = _recast(m, cls)
-        new._init_sync(group, path or None, comm, check_finite, stats)
-        new._plain_class = type(m)
-        return new
-
-    return _replace(module, swap)
+    return classes
 
 
 def revert_sync_batchnorm(module: nn.Module) -> nn.Module:

@@ -18,11 +18,13 @@ import torch.distributed as dist
 
 from hvd_syncbn.communicator import Communicator, LocalCommunicator
 from hvd_syncbn.diagnosis import fail
+from hvd_syncbn.groups import grouped
 from hvd_syncbn.identity import Call
 from hvd_syncbn.settings import TIMEOUT_ENV, collective_timeout, get_timeout
 from hvd_syncbn.store_rows import KeyValueRows, rendezvous_rows
 from hvd_syncbn.transports import (
-    COMM_ENV, HorovodTransport, MpiTransport, Registry, Request, Transport, not_a_member, requested_kind,
+    COMM_ENV, HorovodTransport, MpiTransport, Registry, Request, Transport, not_a_member, process_set_of,
+    requested_kind,
 )
 from hvd_syncbn.torch import private_group
 from hvd_syncbn.waiting import blocking, unblocked
@@ -43,6 +45,7 @@ class HorovodComm(Communicator):
     def __init__(self, process_set: Any) -> None:
         self.ps = process_set
         self.rank, self.size = process_set.rank(), process_set.size()
+        self.ranks = list(process_set.ranks) if process_set.process_set_id else None  # None: all ranks
         # Built without GPU support, Horovod refuses CUDA tensors (its ready event needs CUDA).
         self.device_buffers = bool(hvd.cuda_built() or hvd.rocm_built())
         self._side = rendezvous_rows(self.rank, self.size, process_set.process_set_id) or self
@@ -71,6 +74,11 @@ class HorovodComm(Communicator):
 
         return reset_error(error)
 
+    def subgroup(self, groups, layer):
+        ps = process_set_of(hvd, self.launch_ranks(next(g for g in groups if self.rank in g)),
+                            [self.launch_ranks(g) for g in groups], layer)
+        return LocalCommunicator(size=1) if ps is None else HorovodComm(ps)
+
 
 class TorchDistComm(Communicator):
     """``torch.distributed`` over the ranks of ``group`` (``None``: the default group), on a
@@ -84,12 +92,12 @@ class TorchDistComm(Communicator):
     kind = "torch"
     traceable = True
 
-    def __init__(self, group: Any) -> None:
+    def __init__(self, group: Any, ranks: Optional[list] = None) -> None:
         users = group if group is not None else dist.group.WORLD
-        self.rank, self.size = users.rank(), users.size()
+        self.ranks = ranks or dist.get_process_group_ranks(users)  # ranks: a BN group's, of the default group
+        self.rank, self.size = self.ranks.index(dist.get_rank()), len(self.ranks)
         nccl = "nccl" in str(dist.get_backend(group)).lower()
         self.device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
-        self.ranks = dist.get_process_group_ranks(users)
         self.group: Optional[dist.ProcessGroup] = None
         self.seconds = get_timeout()
         self._side = StoreRows(self.rank, self.size, f"setup.{'-'.join(map(str, self.ranks))}")
@@ -116,6 +124,13 @@ class TorchDistComm(Communicator):
             if waiting is not None:
                 unblocked(waiting)
         self._side.group = self.group.group_name
+
+    def prepare(self, call):
+        if self.group is None:
+            self.set_up(call)
+
+    def subgroup(self, groups, layer):
+        return TorchDistComm(None, self.launch_ranks(next(g for g in groups if self.rank in g)))
 
     def _close(self) -> None:
         """At exit, while Python still runs: destroy the group (if the script has not) and
@@ -236,6 +251,10 @@ class PrivateGroupComm(TorchDistComm):
     def abort(self):
         self.over.abort()
 
+    def subgroup(self, groups, layer):
+        over = self.over.subgroup(groups, layer)
+        return over if over.size == 1 else private_comm(over, "a BN group", layer)
+
 
 class TorchTransport(Transport):
     """``torch.distributed``: the default group (or the layer's ``process_set`` as a
@@ -306,8 +325,10 @@ def _horovod_on() -> bool:
     return _horovod_seen
 
 
-def resolve(kind: Any, process_set: Any, layer: str, nccl: bool = False) -> Optional[Communicator]:
-    """The communicator a layer uses now, or ``None`` when it is alone (plain BN).
+def resolve(kind: Any, process_set: Any, layer: str, nccl: bool = False,
+            group_size: Any = None) -> Optional[Communicator]:
+    """The communicator a layer uses now, or ``None`` when it is alone (plain BN): of its
+    BN group where ``group_size`` says (:mod:`hvd_syncbn.groups`).
     ``nccl``: the statistics are CUDA tensors, which under ``auto`` a
     private group carries over NCCL instead of MPI or Horovod (unless
     ``$HVD_SYNCBN_PRIVATE_GROUP=0``); ``comm='mpi'`` or ``'horovod'`` keeps that transport.
@@ -315,13 +336,13 @@ def resolve(kind: Any, process_set: Any, layer: str, nccl: bool = False) -> Opti
     Called on every forward: the answer is remembered for the state it depends on.
     """
     if isinstance(kind, Communicator):  # the user's, as it is (never remembered by id: ids are reused)
-        return kind if kind.size > 1 else None
+        return grouped(kind if kind.size > 1 else None, group_size, layer)
     hvd_on = _horovod_on()
     state = (kind, os.environ.get(COMM_ENV), hvd_on and (hvd.size(), hvd.rank()),  # a new world after a reset
              _world(), _set_key(process_set), nccl,
-             os.environ.get(private_group.ENV))
+             os.environ.get(private_group.ENV), group_size)
     if state not in _resolved:
-        comm = REGISTRY.resolve(kind, _request(process_set, layer, hvd_on))
+        comm = grouped(REGISTRY.resolve(kind, _request(process_set, layer, hvd_on)), group_size, layer)
         if nccl and comm is not None and comm.kind in ("mpi", "horovod") and dist.is_nccl_available() \
                 and private_group.enabled() and requested_kind(kind) == "auto":
             comm = private_comm(comm, "CUDA statistics", layer)

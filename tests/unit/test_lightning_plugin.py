@@ -26,6 +26,7 @@ def test_apply_converts_with_the_layer_arguments_and_revert_gives_back_only_what
     model = plugin.apply(model)
     assert [type(m) for m in model[1:]] == [SyncBatchNorm] * 3 and model[2] is mine
     assert [(m.comm, m.check_finite, m.process_set) for m in (model[1], model[3])] == [("mpi", True, "group")] * 2
+    assert SyncBatchNormPlugin(group_size="node").apply(nn.BatchNorm2d(3)).group_size == "node"
     model = plugin.revert(model)
     assert [type(m) for m in model[1:]] == [nn.BatchNorm2d, SyncBatchNorm, nn.BatchNorm1d] and model[2] is mine
     assert model[1].weight is weight and model[1].momentum == 0.3 and not hasattr(model[1], "comm")
@@ -35,6 +36,8 @@ def test_apply_converts_with_the_layer_arguments_and_revert_gives_back_only_what
     (dict(comm="nccl"), r"comm: expected one of auto, horovod, mpi, torch, got 'nccl'"),
     (dict(stats="gpu"), r"expected stats to be 'auto', 'host' or 'device', got 'gpu'"),
     (dict(process_set=1, process_group=2), r"SyncBatchNormPlugin: expected process_set or process_group"),
+    (dict(process_set=[0, 1], group_size=2), r"SyncBatchNormPlugin: expected group_size or an explicit group"),
+    (dict(group_size=0), r"SyncBatchNormPlugin: expected group_size to be a positive int or 'node', got 0"),
 ])
 def test_bad_arguments_fail_at_construction(kwargs, match):
     with pytest.raises(ValueError, match=match):
