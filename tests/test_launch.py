@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from launching import ROOT, TIMEOUT_S, clean_env, launch_command, run_suite
+from launching import ROOT, TIMEOUT_S, clean_env, free_port, launch_command, run_suite
 
 pytestmark = pytest.mark.ranks
 
@@ -111,6 +111,15 @@ def test_suites(files, launcher, np_, comm, env):
     run_suite(launcher, np_, files, comm, **env)  # each suite asserts that its layers use ``comm`` (if set)
 
 
+def test_bn_groups_at_4_ranks_over_every_transport():
+    """BN groups of 2 and by host, each equal plain BN on its batch, over MPI, Horovod and
+    torch.distributed (ranks_groups_torch.py), and over MPI and Horovod in Keras
+    (ranks_groups_tf.py), at 4 ranks under mpirun."""
+    run_suite("mpirun", 4, "tests/ranks_groups_torch.py", HVD_SYNCBN_TEST_INIT=f"tcp://127.0.0.1:{free_port()}",
+              **SETS)
+    run_suite("mpirun", 4, "tests/ranks_groups_tf.py", **SETS)
+
+
 NO_HOROVOD = """
 import sys
 sys.modules["horovod"] = None  # as if Horovod were not installed
@@ -122,6 +131,11 @@ x_all = np.random.default_rng(0).standard_normal((7, 3)).astype("float32")
 y = h.SyncBatchNormalization(name="bn")(np.array_split(x_all, world)[rank], training=True)
 want = np.array_split(keras.layers.BatchNormalization(dtype="float64")(x_all, training=True), world)[rank]
 assert np.abs(np.asarray(y) - want).max() < 1e-5, np.abs(np.asarray(y) - want).max()
+if rank == world - 1:  # a process set of ranks over MPI: here this rank alone, plain BN on its rows
+    x = np.array_split(x_all, world)[rank]
+    y = h.SyncBatchNormalization(name="solo", process_set=[rank])(x, training=True)
+    want = keras.layers.BatchNormalization(dtype="float64")(x, training=True)
+    assert np.abs(np.asarray(y) - want).max() < 1e-5, np.abs(np.asarray(y) - want).max()
 try:
     h.DistributedOptimizer(keras.optimizers.SGD())
 except ImportError as e:
@@ -133,8 +147,8 @@ print(f"rank {rank}: ok")
 
 
 def test_keras_layer_runs_over_mpi_without_horovod():
-    """hvd_syncbn.tensorflow imports and synchronises over MPI where Horovod is missing;
-    what needs Horovod says so."""
+    """hvd_syncbn.tensorflow imports and synchronises over MPI where Horovod is missing,
+    within a process set of ranks too; what needs Horovod says so."""
     cmd = launch_command("mpirun", 2) + [sys.executable, "-c", NO_HOROVOD]
     out = subprocess.run(cmd, cwd=ROOT, env=clean_env(), capture_output=True, text=True, timeout=TIMEOUT_S)
     log = out.stdout + out.stderr

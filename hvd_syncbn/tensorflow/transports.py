@@ -170,4 +170,19 @@ def resolve(kind: Any, process_set: Any, layer: str, group_size: Any = None) -> 
         raise not_a_member(layer, hvd.rank(), ps.ranks)
     request = Request(layer, (hvd.size(), hvd.rank()) if hvd_on else None, False, ps,
                                  None if ps is None else ps.process_set_id, None if ps is None else list(ps.ranks))
-    return grouped(REGISTRY.resolve(kind, request), group_size, layer)
+    comm = REGISTRY.resolve(kind, request)
+    if ps is None and process_set is not None and not isinstance(kind, Communicator):  # ranks, over MPI
+        return _ranks_of(comm, sorted(int(r) for r in process_set), layer)
+    return grouped(comm, group_size, layer)
+
+
+def _ranks_of(world: Optional[Communicator], ranks: list, layer: str) -> Optional[Communicator]:
+    """The communicator of ``ranks`` of ``world`` (without Horovod: MPI's), made once."""
+    if world is None:
+        return None
+    if world.rank not in ranks:
+        raise not_a_member(layer, world.rank, ranks)
+    made = world.__dict__.setdefault("_sets", {})
+    if tuple(ranks) not in made:
+        made[tuple(ranks)] = world.subgroup([ranks], layer) if len(ranks) < world.size else world
+    return made[tuple(ranks)] if len(ranks) > 1 else None
