@@ -331,6 +331,14 @@ def model_section(res: dict, fitted: dict) -> tuple:
                      f"α={p['alpha'] * 1e3:.1f} µs, 1/β={bw} GB/s; a core per rank, so no σ):\n\n"
                      + table(["net", "design"] + [f"W={w}" for w in PREDICT_RANKS]
                              + [f"/ ours, W={w}" for w in PREDICT_RANKS], rows))
+    groups = group_model(fitted)
+    if groups:
+        rows = [[t, f"{n} fit", "all ranks" if g == 0 else f"groups of {g}"] + [f"{x:.1f}" for x in v]
+                for (t, n, g), v in groups.items()]
+        parts.append("\nBN groups (`group_size`), ResNet-50, ours: predicted SyncBN communication per step, ms, "
+                     "each collective spanning one group (a model, plot `scaling_groups.png`):\n\n"
+                     + table(["transport", "fit", "synchronized over"] + [f"W={w}" for w in scaling.GROUP_RANKS],
+                             rows))
     return "\n".join(parts), errs, preds
 
 
@@ -409,7 +417,29 @@ def plots(res: dict, fitted: dict, preds: dict, out: Path) -> list:
             ax.set_ylabel("predicted SyncBN comm ms / step")
             ax.legend(fontsize=6)
         made.append(_save(plt, fig, out, "scaling_model.png"))
+    groups = group_model(fitted)
+    if groups:
+        fig, ax = plt.subplots(figsize=(7, 4))
+        for (transport, network, group), v in groups.items():
+            ax.loglog(scaling.GROUP_RANKS, v, "-o" if group == 0 else "--s", markersize=3,
+                      label=f"{transport} ({network} fit), {'all ranks' if group == 0 else f'BN groups of {group}'}")
+        ax.set_title("A MODEL, not a measurement: SyncBN communication per ResNet-50 step\n(ours; α-β fitted at "
+                     "1-4 ranks on one machine, a core per rank)", fontsize=9)
+        ax.set_xlabel("ranks (GPUs) W")
+        ax.set_ylabel("predicted ms / step")
+        ax.legend(fontsize=7)
+        made.append(_save(plt, fig, out, "scaling_groups.png"))
     return made
+
+
+def group_model(fitted: dict) -> dict:
+    """``{(transport, network, group): [predicted ms per ResNet-50 step at each of
+    scaling.GROUP_RANKS]}`` for ours, all ranks (group 0) and BN groups of 8, with each
+    transport's fit (between the namespace hosts where there is one)."""
+    network = "netns" if any(n == "netns" for _, n in fitted) else "loopback"
+    chans, ours = scaling.resnet50_bn_channels(), next(iter(scaling.DESIGNS))
+    return {(t, n, g): [scaling.step_overhead(p, ours, chans, w, g) for w in scaling.GROUP_RANKS]
+            for (t, n), p in fitted.items() if n == network for g in (0, 8)}
 
 
 # --------------------------------------------------------------------- report

@@ -111,7 +111,13 @@ def cost(params: Dict[str, float], collectives: Iterable[Collective], ranks: int
     return float(sum(features(kind, ranks, n, cores) @ coef for kind, n in collectives))
 
 
-def step_overhead(params: Dict[str, float], design: str, channels: List[int], ranks: int) -> float:
+GROUP_RANKS = tuple(2 ** k for k in range(3, 13))
+"""The job sizes of the BN-group model: 8 to 4,096 ranks (GPUs)."""
+
+
+def step_overhead(params: Dict[str, float], design: str, channels: List[int], ranks: int,
+                  group: int = 0) -> float:
     """Predicted SyncBN communication ms per training step (forward + backward), with a
-    core per rank."""
-    return cost(params, [c for ch in channels for c in DESIGNS[design](ch)], ranks)
+    core per rank; ``group``: BN groups of that many ranks (each collective spans one
+    group, all groups at once), 0 for all ranks."""
+    return cost(params, [c for ch in channels for c in DESIGNS[design](ch)], min(ranks, group or ranks))
