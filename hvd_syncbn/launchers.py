@@ -13,16 +13,21 @@ from typing import Mapping, Optional, Tuple
 # ranks then carry the outer launcher's variables too), and mpirun under srun (Open MPI
 # and Hydra start their daemons with srun inside an allocation, and the ranks inherit that
 # step's SLURM_* variables). The sbatch/salloc shell itself has SLURM_NTASKS but no step.
-# A bare WORLD_SIZE comes last: Lightning's own launcher (``Trainer(strategy="ddp")``
-# started by ``python``) sets it in its processes and nothing else of the above, while
-# users also export it for torch's ``env://`` under the launchers above.
+# A bare WORLD_SIZE comes last: Lightning's own launcher (``Trainer(strategy="ddp")`` or
+# ``Fabric(...).launch()`` started by ``python``) sets it in its processes and nothing
+# else of the above, while users also export it for torch's ``env://`` under the
+# launchers above. Ray Train's workers, which Ray's raylet starts (``RAY_RAYLET_PID``),
+# come first: Ray may itself run under srun or mpirun.
 WORLD_SIZE_LAUNCHER = "a launcher that sets WORLD_SIZE (Lightning's)"
+RAY_TRAIN = "Ray Train"
 
 
 def _detect(env: Mapping[str, str]) -> Tuple[Optional[str], Optional[str]]:
     """``(launcher, the variable holding the world size)``; ``(None, None)`` when none."""
-    if "TORCHELASTIC_RUN_ID" in env:
-        return "torchrun", "WORLD_SIZE"
+    if "RAY_RAYLET_PID" in env and "WORLD_SIZE" in env:
+        return RAY_TRAIN, "WORLD_SIZE"
+    if "TORCHELASTIC_RUN_ID" in env:  # accelerate launch runs torchrun's
+        return ("accelerate launch (torchrun)" if "ACCELERATE_MIXED_PRECISION" in env else "torchrun"), "WORLD_SIZE"
     if "HOROVOD_RANK" in env and "HOROVOD_SIZE" in env:  # horovodrun --gloo; --mpi runs mpirun
         return f"horovodrun --{env.get('HOROVOD_CONTROLLER', 'gloo')}", "HOROVOD_SIZE"
     if "OMPI_COMM_WORLD_SIZE" in env:
@@ -46,11 +51,12 @@ def launcher(env: Optional[Mapping[str, str]] = None) -> Optional[str]:
 
     One of ``"srun --mpi=pmix"`` (or another of srun's MPI plugins; plain ``"srun"``
     without one), ``"mpirun (Open MPI)"`` (also under ``horovodrun --mpi``, which runs
-    it), ``"mpirun (MPICH Hydra)"``, ``"horovodrun --gloo"``, ``"torchrun"``, ``"a PMIx
+    it), ``"mpirun (MPICH Hydra)"``, ``"horovodrun --gloo"``, ``"torchrun"`` (``"accelerate
+    launch (torchrun)"`` under Accelerate's), ``"Ray Train"`` (its workers), ``"a PMIx
     launcher"`` or ``"a PMI launcher"`` (another launcher of those interfaces), ``"a
     launcher that sets WORLD_SIZE (Lightning's)"`` (``WORLD_SIZE`` and none of the above,
-    as Lightning's ``Trainer(strategy="ddp")`` starts its processes), or ``None``
-    (started alone; a batch script's own shell is alone too).
+    as Lightning's ``Trainer(strategy="ddp")`` and Fabric start their processes), or
+    ``None`` (started alone; a batch script's own shell is alone too).
     """
     return _detect(os.environ if env is None else env)[0]
 

@@ -66,6 +66,17 @@ def test_a_bare_world_size_is_a_launch_and_other_launchers_come_first():
         launchers.world_size({"WORLD_SIZE": "0"})
 
 
+def test_engines_are_named_before_the_launchers_they_run_under():
+    """Ray Train's workers (``RAY_RAYLET_PID``, and the WORLD_SIZE Ray Train sets), also
+    where Ray itself was started by srun; ``accelerate launch``, which runs torchrun's
+    agent (tests/test_engines.py checks what real workers see)."""
+    ray = {**RECORDED["srun-pmix"]["env"], "RAY_RAYLET_PID": "4242", "WORLD_SIZE": "8", "RANK": "3"}
+    assert (launchers.launcher(ray), launchers.world_size(ray)) == (launchers.RAY_TRAIN, 8)
+    accelerate = {**RECORDED["torchrun"]["env"], "ACCELERATE_MIXED_PRECISION": "no"}
+    assert (launchers.launcher(accelerate), launchers.world_size(accelerate)) == (
+        "accelerate launch (torchrun)", RECORDED["torchrun"]["size"])
+
+
 def test_a_bad_size_says_which_variable():
     env = {**RECORDED["srun-pmix"]["env"]}
     env.pop("SLURM_STEP_NUM_TASKS")
