@@ -16,6 +16,15 @@ cd "$ROOT"
 # The Lightning plugin's tests (tests/test_lightning.py) train under Lightning's Trainer.
 "$ROOT/.venv/bin/python" -c 'import importlib.metadata as m; assert m.version("lightning") == "2.6.6"' 2>/dev/null \
   || "$ROOT/.venv/bin/python" -m pip install -q lightning==2.6.6
+# The engines' tests (tests/test_engines.py): Accelerate always (pure Python, its other
+# dependencies are timm's and Lightning's); Ray Train only when HVD_SYNCBN_TEST_RAY=1, as it
+# adds about 600 MB and a minute to the suite (its test skips without it).
+"$ROOT/.venv/bin/python" -c 'import importlib.metadata as m; assert m.version("accelerate") == "1.16.0"' 2>/dev/null \
+  || "$ROOT/.venv/bin/python" -m pip install -q accelerate==1.16.0
+if [ "${HVD_SYNCBN_TEST_RAY:-0}" = 1 ]; then
+  "$ROOT/.venv/bin/python" -c 'import importlib.metadata as m; assert m.version("ray") == "2.60.0"' 2>/dev/null \
+    || "$ROOT/.venv/bin/python" -m pip install -q "ray[train]==2.60.0"
+fi
 # The docs test builds the mkdocs site with its API reference (tests/test_docs.py); the
 # package test builds the sdist and wheel (tests/test_package.py).
 "$ROOT/.venv/bin/python" -c 'import importlib.metadata as m; assert [m.version(p) for p in ("mkdocs", "mkdocstrings", "mkdocstrings-python", "build")] == ["1.6.1", "1.0.8", "2.0.11", "1.6.1"]' 2>/dev/null \

@@ -24,25 +24,9 @@ import torch  # noqa: E402
 from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 from torch import nn  # noqa: E402
 
+from fit_case import LR, ROWS, WORLD, global_batches, net  # noqa: E402
 from hvd_syncbn import launchers  # noqa: E402
 from hvd_syncbn.lightning import SyncBatchNormPlugin  # noqa: E402
-
-STEPS, ROWS, LR, WORLD = 3, 4, 0.1, 2  # ROWS per rank and step
-
-
-def net() -> nn.Module:
-    """The model, the same on every rank and in the test's one-process reference."""
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(),
-                         nn.Linear(4 * 5 * 5, 6), nn.BatchNorm1d(6), nn.Linear(6, 1)).double()
-
-
-def global_batches() -> list:
-    """``(x, y)`` of ``WORLD * ROWS`` rows per step, off-centre so the statistics matter."""
-    g = torch.Generator().manual_seed(1)
-    return [(torch.randn(WORLD * ROWS, 3, 5, 5, generator=g, dtype=torch.float64) * 2 + 1,
-             torch.randn(WORLD * ROWS, 1, generator=g, dtype=torch.float64)) for _ in range(STEPS)]
-
 
 def norm_classes(model: nn.Module) -> list:
     return [type(m).__name__ for m in model.modules() if "Norm" in type(m).__name__]

@@ -15,9 +15,10 @@ from vision import import_vision  # noqa: E402
 
 import_vision()
 pytest.importorskip("lightning", reason="bash launch/test.sh installs Lightning")
-from torch import nn  # noqa: E402
 
+import fit_case  # noqa: E402
 import lightning_fit as fit  # noqa: E402
+from fit_case import assert_states_equal  # noqa: E402
 from hvd_syncbn import launchers  # noqa: E402
 from launching import ROOT, clean_env, launch_command  # noqa: E402
 
@@ -26,20 +27,7 @@ pytestmark = pytest.mark.ranks
 
 @pytest.fixture(scope="module")
 def reference() -> dict:
-    """One process, plain BN, the whole global batch each step: the state after training."""
-    model = fit.net()
-    opt = torch.optim.SGD(model.parameters(), lr=fit.LR)
-    for x, y in fit.global_batches():
-        opt.zero_grad()
-        nn.functional.mse_loss(model(x), y).backward()
-        opt.step()
-    return model.state_dict()
-
-
-def assert_states_equal(got: dict, want: dict, what: str) -> None:
-    assert got.keys() == want.keys(), f"{what}: keys {sorted(got)} != {sorted(want)}"
-    worst = max(((got[k].double() - want[k].double()).abs().max().item(), k) for k in want)
-    assert worst[0] <= 1e-10, f"{what}: largest difference {worst[0]:.3g} in {worst[1]}"
+    return fit_case.reference()
 
 
 @pytest.mark.parametrize("launch", ["ddp", "mpirun"])
