@@ -30,6 +30,7 @@ pytestmark = [pytest.mark.multihost, pytest.mark.slow]
 ROOT = Path(__file__).resolve().parents[1]
 CLUSTER = ROOT / "launch" / "slurm" / "local_cluster.sh"
 SBATCH = ROOT / "launch" / "slurm" / "train.sbatch"
+GPU_SBATCH = ROOT / "launch" / "slurm" / "train_gpu.sbatch"
 SCRIPTS = {"torch": "examples/torch_segmentation.py", "keras": "examples/keras_segmentation.py"}
 DEMO_ARGS = ["--train-size", "96", "--val-size", "8", "--image-size", "16", "--width", "4"]
 RANKS, NODES = 4, ("node1", "node2")
@@ -45,11 +46,12 @@ class Cluster:
         self.env = {**clean_env(), "SLURM_CONF": str(state / "slurm.conf"), "PYTHONPATH": str(ROOT),
                     "HOROVOD_FUSION_THRESHOLD": "0"}  # each gradient reduced alone: bitwise repeatable
 
-    def submit(self, name: str, *args, wait: bool = True, **env) -> str:
-        """``sbatch train.sbatch DEMO_ARGS args``; with ``wait``, until the job has ended. Its id."""
+    def submit(self, name: str, *args, wait: bool = True, recipe: Path = SBATCH, options: tuple = (), **env) -> str:
+        """``sbatch options train.sbatch DEMO_ARGS args`` (another ``recipe``: without
+        DEMO_ARGS); with ``wait``, until the job has ended. Its id."""
         self.jobs.mkdir(exist_ok=True)
-        cmd = ["sbatch", "--parsable", f"--output={self.jobs / name}.out", f"--job-name={name}",
-               str(SBATCH), *DEMO_ARGS, *map(str, args)]
+        cmd = ["sbatch", "--parsable", f"--output={self.jobs / name}.out", f"--job-name={name}", *options,
+               str(recipe), *(DEMO_ARGS if recipe == SBATCH else ()), *map(str, args)]
         out = subprocess.run(cmd, cwd=ROOT, env={**self.env, **env}, capture_output=True, text=True, timeout=60)
         job = re.search(r"^(\d+)", out.stdout, re.M)
         assert out.returncode == 0 and job, f"{' '.join(cmd)} exited {out.returncode}:\n{out.stdout}{out.stderr}"
@@ -187,6 +189,28 @@ def test_lost_node_fails_in_time_and_resume_matches(cluster, uninterrupted):
     assert b["epoch"] == 2
     for key, value in a["model"].items():  # parameters and BN running statistics, bitwise
         assert torch.equal(value, b["model"][key]), f"{key} differs from the uninterrupted job after resuming"
+
+
+def test_gpu_recipe_runs_the_readme_torchrun_script_with_a_torchrun_per_node(cluster):
+    """``train_gpu.sbatch``'s torchrun variant on the 2 nodes, its GPU line overridden
+    (``--gpus-per-node=0``: the nodes have none) and ``NPROC_PER_NODE=2``: one torchrun per
+    node, a c10d rendezvous on node1, and the README's torchrun script (on CPUs with Gloo,
+    as tests/test_docs.py runs it; a line added to print each rank's world) on 4 ranks."""
+    import test_docs
+
+    script = cluster.jobs / "readme_torchrun.py"
+    cluster.jobs.mkdir(exist_ok=True)
+    readme = next(s for line, s in test_docs.quick_starts() if line.startswith("torchrun"))
+    script.write_text(test_docs.on_cpu(readme).replace("dist.destroy_process_group()", (
+        'print(f"rank {dist.get_rank()} of {dist.get_world_size()} on {os.uname().nodename}", flush=True)\n'
+        "dist.destroy_process_group()")))
+    job = cluster.submit("gpu-recipe", script, recipe=GPU_SBATCH, options=("--gpus-per-node=0", "--cpus-per-task=2"),
+                         NPROC_PER_NODE="2", GLOO_SOCKET_IFNAME="eth0")
+    info, log = cluster.job(job), cluster.log("gpu-recipe")
+    assert info["JobState"] == "COMPLETED" and info["NumTasks"] == "2", f"{info}:\n{log[-4000:]}"
+    ranks = sorted(re.findall(r"^rank (\d) of (\d) on (node\d)$", log, re.M))
+    assert ranks == [("0", "4", "node1"), ("1", "4", "node1"), ("2", "4", "node2"), ("3", "4", "node2")], log[-4000:]
+    assert "ranks started by torchrun" in log and len(re.findall(r"^step \d loss", log, re.M)) == 2, log[-4000:]
 
 
 def test_refuses_without_root_saying_why(tmp_path):

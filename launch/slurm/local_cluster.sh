@@ -13,7 +13,8 @@
 #   launch/netns_hosts.sh uses, 10.201.0-7, is left alone), on port 16817, so a real
 #   Slurm on the machine is not disturbed;
 # - nodes node1 and node2 (2 CPUs each): a network namespace hvdsl1/hvdsl2 on the bridge
-#   (10.201.9.11, .12), a hostname of its own (UTS namespace) and a private /tmp (mount
+#   (10.201.9.11, .12), a hostname of its own (UTS namespace) that every node resolves
+#   (D/hosts bound over /etc/hosts) and a private /tmp (mount
 #   namespace; Slurm's pmix plugin makes the same /tmp/spmix_appdir_* folder on every
 #   node), where one slurmd runs. D and the checkout stay visible at their paths when
 #   they are under /tmp; jobs should keep their files there or outside /tmp.
@@ -178,12 +179,15 @@ start_network() {
   done
 }
 
-# Run inside a node's new mount and UTS namespaces: name the node, give it a private
-# /tmp with the folders that must stay shared bound back in, then exec slurmd.
+# Run inside a node's new mount and UTS namespaces: name the node, make the nodes' names
+# resolve (D/hosts over /etc/hosts, as a cluster's DNS would: torchrun's rendezvous looks
+# its own host name up), give it a private /tmp with the folders that must stay shared
+# bound back in, then exec slurmd.
 # (`ip netns exec` would remount /sys, and slurmd then looks for cgroups there.)
 NODE_INIT='
 node=$1 private=$2; shift 2
 hostname "$node"
+mount --bind "$HVDSL_HOSTS" /etc/hosts
 mount -t tmpfs -o mode=1777 "hvdsl-$node-tmp" "$private"
 for keep in "$@"; do
   case $keep in /tmp/*) mkdir -p "$private/${keep#/tmp/}" && mount --bind "$keep" "$private/${keep#/tmp/}" ;; esac
@@ -194,9 +198,11 @@ exec slurmd -D -N "$node" -f "$SLURM_CONF"
 
 start_nodes() {
   local i node
+  { cat /etc/hosts; for ((i = 1; i <= ${#NODES[@]}; i++)); do echo "$SUBNET.$((10 + i)) ${NODES[i - 1]}"; done; } \
+    > "$dir/hosts"
   for ((i = 1; i <= ${#NODES[@]}; i++)); do
     node=${NODES[i - 1]}
-    SLURM_CONF=$dir/slurm.conf nsenter --net="/run/netns/$PREFIX$i" unshare --uts --mount --propagation private \
+    HVDSL_HOSTS=$dir/hosts SLURM_CONF=$dir/slurm.conf nsenter --net="/run/netns/$PREFIX$i" unshare --uts --mount --propagation private \
       sh -c "$NODE_INIT" sh "$node" "$dir/$node/tmp" "$dir" "$ROOT" </dev/null >"$dir/$node/stdout.log" 2>&1 &
   done
 }
