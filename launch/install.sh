@@ -9,6 +9,10 @@ HOROVOD_VERSION=${HOROVOD_VERSION:-0.28.1}
 TORCH_VERSION=${TORCH_VERSION:-2.13.0}
 TF_VERSION=${TF_VERSION:-2.21.*}
 TF_PACKAGE=${TF_PACKAGE:-tensorflow-cpu}   # "tensorflow" for a GPU build
+# torch comes from pip's configured indexes (on Linux PyPI's is the CUDA build, about 15
+# nvidia-* wheels, unless pip finds a CPU wheel first, as on CI's machine) or, when set,
+# from TORCH_INDEX_URL: https://download.pytorch.org/whl/cpu for the CPU build, .../cu130 for CUDA 13.0.
+TORCH_INDEX_URL=${TORCH_INDEX_URL:-}
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 VENV=${HVD_SYNCBN_VENV:-$ROOT/.venv}
 CACHE=${HVD_SYNCBN_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/hvd_syncbn}
@@ -49,9 +53,11 @@ stamp="$VENV/.hvd_syncbn-reqs"
 if [ "$(cat "$stamp" 2>/dev/null)" != "${reqs[*]}" ]; then
   log "pip install ${reqs[*]}"
   "$PY" -m pip install -q --upgrade pip wheel setuptools
+  [ -z "$TORCH_INDEX_URL" ] || "$PY" -m pip install -q "torch==$TORCH_VERSION" --index-url "$TORCH_INDEX_URL"
   "$PY" -m pip install -q "${reqs[@]}"
   echo "${reqs[*]}" > "$stamp"
 fi
+log "$("$PY" -c 'import torch; print("torch", torch.__version__ + ", CUDA", torch.version.cuda or "none (a CPU build)")')"
 
 # 3. Horovod, built once per (Horovod, torch, TF, Python) and cached as a wheel.
 # (Read from the package metadata: importing TensorFlow would print its start-up lines.)
