@@ -158,7 +158,7 @@ def count_collectives(step: Callable[[], object], steps: int, hvd, tag: str, tmp
     hvd.allreduce(_zero(hvd), name="bench.barrier")
     out = {"horovod": None, "mpi": None if mpi is None else
            {k: {f: v[f] / steps for f in v} for k, v in mpi.items()}, "tensors": []}
-    if timeline:
+    if timeline and hvd.rank() == 0:  # only rank 0 writes a timeline: the others have none to wait for
         _settle(path)
     if timeline and path.exists():
         per_op: dict = {}
