@@ -285,6 +285,8 @@ def model_section(res: dict, fitted: dict) -> tuple:
     tl, check = res["torch_layers"], []
     errs = []
     for ranks in (2, 4):
+        if ranks not in res["conf"]["ranks"]:  # a --quick run has no 4-rank layer jobs
+            continue
         h, m = tl.get(f"{ranks}/horovod", {}), tl.get(f"{ranks}/mpi", {})
         for key in res["shapes"]:
             key = json.dumps(key)

@@ -8,13 +8,15 @@ Parts (each a series of jobs launched from here, one after another; a job that f
 leaves its error in the report):
 
 1. per-layer forward+backward, PyTorch at 1, 2 and 4 ranks (4 oversubscribe this
-   machine's cores) with ``HVD_SYNCBN_COMM=horovod`` and ``=mpi``; Keras at 2 ranks;
+   machine's cores; ``--quick``: 1 and 2) with ``HVD_SYNCBN_COMM=horovod`` and ``=mpi``;
+   Keras at 2 ranks;
 2. an end-to-end training step, ResNet-18-like and the demo U-Net, at 2 ranks; Keras's,
    ResNet-18-like and MobileNetV2, on each path of our layer and local BN with and
    without XLA (``e2e_tf.py``);
 3. collectives and bytes per step, counted (Horovod timeline, MPI call shim);
-4. allreduce latency/bandwidth at 1-4 ranks, on loopback and between network-namespace
-   hosts, and the scaling model fitted to it (``scaling.py``).
+4. allreduce latency/bandwidth at 1-4 ranks (``--quick``: 1, 2 and 4, so that the fit
+   still meets oversubscribed ranks), on loopback and between network-namespace hosts,
+   and the scaling model fitted to it (``scaling.py``).
 """
 
 from __future__ import annotations
@@ -120,7 +122,8 @@ def main() -> None:
         "layer_iters": 3 if q else 30, "tf_iters": 2 if q else 20, "e2e_iters": 2 if q else 15,
         "ab_iters": 5 if q else 40, "count_steps": 1 if q else 2,
         "ab_sizes": [1, 512, 32768] if q else [1, 8, 64, 512, 4096, 32768, 262144],
-        "e2e_nets": "unet_demo" if q else "resnet18ish,unet_demo", "ranks": [1, 2, 4], "malloc": MALLOC,
+        "e2e_nets": "unet_demo" if q else "resnet18ish,unet_demo", "ranks": [1, 2] if q else [1, 2, 4],
+        "malloc": MALLOC,
     }
     args.out.mkdir(parents=True, exist_ok=True)
     log = args.out / "jobs.log"
