@@ -217,3 +217,17 @@ def test_a_group_names_its_ranks_of_the_launch_in_a_diagnosis():
     assert "this is rank 2 (SyncBN's group of ranks [2, 3])" in str(out[2]), out[2]
     assert "rank 3: bn: expected 3 channels" in str(out[2]), out[2]
     assert all(e is None or isinstance(e, torch.Tensor) for e in out[:2]), out[:2]
+
+
+def test_keras_group_size_is_in_the_config_converted_and_dropped_by_revert():
+    tensorflow()
+    keras = pytest.importorskip("keras")
+    import hvd_syncbn.tensorflow as h
+
+    model = keras.Sequential([keras.Input((4, 4, 3)), keras.layers.Conv2D(3, 1), keras.layers.BatchNormalization()])
+    converted = h.convert_sync_batchnorm(model, group_size="node")
+    assert converted.layers[1].get_config()["group_size"] == "node"
+    assert keras.models.clone_model(converted).layers[1].group_size == "node"
+    assert "group_size" not in h.revert_sync_batchnorm(converted).layers[1].get_config()
+    with pytest.raises(ValueError, match="convert_sync_batchnorm: expected group_size or an explicit group"):
+        h.convert_sync_batchnorm(model, process_set=[0], group_size=2)
