@@ -34,10 +34,10 @@ class Communicator:
         """Make what ``call``, this communicator's first collective, needs (a
         ``torch.distributed`` group of SyncBN's own), bounded as a collective is."""
 
-    def subgroup(self, groups: List[List[int]], layer: str) -> "Communicator":
-        """A communicator of the group of ``groups`` (a partition of this one's ranks,
-        the same on every rank) that holds this rank, made when every rank is here (BN
-        groups: :mod:`hvd_syncbn.groups`)."""
+    def subgroup(self, ranks: List[int], groups: List[List[int]], layer: str) -> "Communicator":
+        """A communicator of ``ranks``, this rank's group of ``groups`` (a partition of this
+        one's ranks, the same on every rank; both as the launch numbers its ranks), made
+        when every rank is here (BN groups: :mod:`hvd_syncbn.groups`)."""
         raise ValueError(f"{layer}: group_size needs a transport that makes groups of ranks (torch.distributed, MPI "
                          f"or Horovod), got a {type(self).__name__} ({self.kind}), which does not")
 

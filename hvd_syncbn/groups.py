@@ -88,5 +88,7 @@ def _split(world: Communicator, group_size: Any, layer: str) -> Optional[Communi
     groups = partition(group_size, world.size, hosts, layer)
     if len(groups) == 1 or len(groups) == world.size:
         return world if len(groups) == 1 else None
-    sub = world.subgroup(groups, layer)  # on every rank, a group of one's too: Horovod adds sets together
+    mine = next(g for g in groups if world.rank in g)
+    # on every rank, a group of one's too: Horovod adds its sets on all ranks together
+    sub = world.subgroup(world.launch_ranks(mine), [world.launch_ranks(g) for g in groups], layer)
     return sub if sub.size > 1 else None

@@ -103,9 +103,8 @@ class MpiCommunicator(Communicator):
         self.rank, self.size = comm.Get_rank(), comm.Get_size()
         self.device_buffers = mpi_reads_cuda()
 
-    def subgroup(self, groups, layer):
-        mine = next(g for g in groups if self.rank in g)
-        return MpiCommunicator(self.launch_ranks(mine), layer=layer)
+    def subgroup(self, ranks, groups, layer):
+        return MpiCommunicator(ranks, layer=layer)
 
     def _set_up(self, world: Any, requests: list, layer: str) -> None:
         """Wait for the duplicates of ``world`` (``requests``: ``MPI_Comm_idup``'s), made at

@@ -86,10 +86,10 @@ class Waiting:
         else:
             absent = self.comm.launch_ranks([r for r in range(self.comm.size) if r not in rows])
             missing = f"{_ranks(absent)} {'has' if len(absent) == 1 else 'have'} not come"
-        left = max(0.0, self.timeout - waited)
+        left, me = max(0.0, self.timeout - waited), self.comm.launch_ranks([self.comm.rank])[0]
         log.warning("hvd_syncbn: rank %d has waited %.0f s in %s: %s. A rank working alone (a rank-0-only validation "
                     "or checkpoint) only costs time: this rank waits %.0f s more (%s=%g s), then raises naming "
-                    "the missing ranks. Set %s to wait longer, %s to warn later.", self.comm.launch_ranks([self.comm.rank])[0], waited,
+                    "the missing ranks. Set %s to wait longer, %s to warn later.", me, waited,
                     self.call.where(), missing, left, TIMEOUT_ENV, self.timeout, TIMEOUT_ENV, WARN_ENV)
 
     def end(self) -> None:

@@ -125,15 +125,14 @@ class ThreadComm(comm.Communicator):
     def side(self):
         return self.side_comm
 
-    def subgroup(self, groups, layer):
-        """A world of the threads of this rank's group (BN groups), with its own side channel."""
-        mine = next(g for g in groups if self.rank in g)
+    def subgroup(self, ranks, groups, layer):
+        """A world of the threads of ``ranks`` (a BN group), with its own side channel."""
         with self.shared["lock"]:
-            main, side = self.shared.setdefault(("group", tuple(mine)), ({"lock": threading.Lock()},
-                                                                          {"lock": threading.Lock()}))
-        sub = ThreadComm(main, mine.index(self.rank), len(mine))
+            main, side = self.shared.setdefault(("group", tuple(ranks)), ({"lock": threading.Lock()},
+                                                                           {"lock": threading.Lock()}))
+        sub = ThreadComm(main, ranks.index(self.launch_ranks([self.rank])[0]), len(ranks))
         sub.side_comm = ThreadComm(side, sub.rank, sub.size, self.side_comm.partial_gather)
-        sub.ranks = self.launch_ranks(mine)
+        sub.ranks = list(ranks)
         return sub
 
 

@@ -99,9 +99,8 @@ class HorovodComm(Communicator):
     def abort(self):
         hvd.shutdown()
 
-    def subgroup(self, groups, layer):
-        ps = process_set_of(hvd, self.launch_ranks(next(g for g in groups if self.rank in g)),
-                            [self.launch_ranks(g) for g in groups], layer)
+    def subgroup(self, ranks, groups, layer):
+        ps = process_set_of(hvd, ranks, groups, layer)
         return LocalCommunicator(size=1) if ps is None else HorovodComm(ps)
 
     def reset_error(self, error):
@@ -182,7 +181,9 @@ def _ranks_of(world: Optional[Communicator], ranks: list, layer: str) -> Optiona
         return None
     if world.rank not in ranks:
         raise not_a_member(layer, world.rank, ranks)
+    if len(ranks) == 1:
+        return None
     made = world.__dict__.setdefault("_sets", {})
     if tuple(ranks) not in made:
-        made[tuple(ranks)] = world.subgroup([ranks], layer) if len(ranks) < world.size else world
-    return made[tuple(ranks)] if len(ranks) > 1 else None
+        made[tuple(ranks)] = world.subgroup(ranks, [ranks], layer) if len(ranks) < world.size else world
+    return made[tuple(ranks)]

@@ -74,9 +74,8 @@ class HorovodComm(Communicator):
 
         return reset_error(error)
 
-    def subgroup(self, groups, layer):
-        ps = process_set_of(hvd, self.launch_ranks(next(g for g in groups if self.rank in g)),
-                            [self.launch_ranks(g) for g in groups], layer)
+    def subgroup(self, ranks, groups, layer):
+        ps = process_set_of(hvd, ranks, groups, layer)
         return LocalCommunicator(size=1) if ps is None else HorovodComm(ps)
 
 
@@ -129,8 +128,8 @@ class TorchDistComm(Communicator):
         if self.group is None:
             self.set_up(call)
 
-    def subgroup(self, groups, layer):
-        return TorchDistComm(None, self.launch_ranks(next(g for g in groups if self.rank in g)))
+    def subgroup(self, ranks, groups, layer):
+        return TorchDistComm(None, ranks)
 
     def _close(self) -> None:
         """At exit, while Python still runs: destroy the group (if the script has not) and
@@ -234,7 +233,7 @@ class PrivateGroupComm(TorchDistComm):
     def __init__(self, over: Communicator, layer: str = "private_group") -> None:  # not TorchDistComm's
         compiling = torch.compiler.is_compiling()
         self.group, self._store = private_group.build(over, layer, compiling)
-        self.rank, self.size, self.over = over.rank, over.size, over
+        self.rank, self.size, self.ranks, self.over = over.rank, over.size, over.ranks, over
         self.device = torch.device("cpu")
         self.seconds = collective_timeout(compiling)  # as build() set it
         atexit.register(self._close)
@@ -251,8 +250,8 @@ class PrivateGroupComm(TorchDistComm):
     def abort(self):
         self.over.abort()
 
-    def subgroup(self, groups, layer):
-        over = self.over.subgroup(groups, layer)
+    def subgroup(self, ranks, groups, layer):
+        over = self.over.subgroup(ranks, groups, layer)
         return over if over.size == 1 else private_comm(over, "a BN group", layer)
 
 
