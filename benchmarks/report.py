@@ -341,7 +341,7 @@ def model_section(res: dict, fitted: dict) -> tuple:
                      "each collective spanning one group (a model, plot `scaling_groups.png`):\n\n"
                      + table(["transport", "fit", "synchronized over"] + [f"W={w}" for w in scaling.GROUP_RANKS],
                              rows))
-    return "\n".join(parts), errs, preds
+    return "\n".join(parts), errs, preds, groups
 
 
 # ---------------------------------------------------------------------- plots
@@ -354,7 +354,7 @@ def _save(plt, fig, out: Path, name: str) -> str:
     return name
 
 
-def plots(res: dict, fitted: dict, preds: dict, out: Path) -> list:
+def plots(res: dict, fitted: dict, preds: dict, groups: dict, out: Path) -> list:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -419,7 +419,6 @@ def plots(res: dict, fitted: dict, preds: dict, out: Path) -> list:
             ax.set_ylabel("predicted SyncBN comm ms / step")
             ax.legend(fontsize=6)
         made.append(_save(plt, fig, out, "scaling_model.png"))
-    groups = group_model(fitted)
     if groups:
         fig, ax = plt.subplots(figsize=(7, 4))
         for (transport, network, group), v in groups.items():
@@ -450,8 +449,8 @@ def group_model(fitted: dict) -> dict:
 def write_report(res: dict, out: Path) -> Path:
     fitted = fits(res)
     torch_md, summary = torch_section(res)
-    model_md, errs, preds = model_section(res, fitted)
-    made = plots(res, fitted, preds, out)
+    model_md, errs, preds, groups = model_section(res, fitted)
+    made = plots(res, fitted, preds, groups, out)
     fails = errors(res["torch_layers"], "PyTorch job") + errors(res["e2e"], "end-to-end job") + errors(
         res.get("tf_layers", {}), "Keras job") + errors(res.get("tf_e2e", {}), "Keras training-step job") + errors(res["alphabeta"]["loopback"], "allreduce sweep") + errors(
         res["alphabeta"].get("netns", {}), "namespace-hosts sweep")
