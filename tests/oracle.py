@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any, Callable, Dict, List, Mapping, NamedTuple, Sequence
+from typing import Any, Callable, Dict, List, Mapping, NamedTuple, Sequence, Tuple
 
 import numpy as np
 
@@ -71,6 +71,25 @@ class Ranks(NamedTuple):
 def launched(rank: int, size: int, allreduce: Callable[[Any, str], Any]) -> Ranks:
     """This process is ``rank`` of ``size``; ``allreduce(tensor, name)`` sums over them."""
     return Ranks(size, lambda fn: {rank: fn(rank)}, lambda values, name: allreduce(values[rank], name))
+
+
+def launched_group(rank: int, world: int, parts: Sequence[Sequence[int]],
+                   allreduce: Callable[[np.ndarray, str], Any]) -> Tuple[list, Ranks]:
+    """This process's group of ``parts`` (BN groups of a launch of ``world``) and its
+    :class:`Ranks`, whose sums go over the group: ``allreduce(table, name)`` sums a
+    ``(world, ...)`` numpy table in the value's dtype over the launch, this rank's value
+    in its row."""
+    mine = list(next(g for g in parts if rank in g))
+    here = mine.index(rank)
+
+    def summed(values: Dict[int, Any], name: str) -> np.ndarray:
+        value = values[here]
+        value = value.detach().cpu().numpy() if hasattr(value, "detach") else np.asarray(value)
+        table = np.zeros((world, *value.shape), value.dtype)
+        table[rank] = value
+        return allreduce(table, name)[mine].sum(0)
+
+    return mine, Ranks(len(mine), lambda fn: {here: fn(here)}, summed)
 
 
 # What a trainer returns: per row (each rank compares its own rows) or per parameter

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from hvd_syncbn import comm, groups
-from oracle import KerasTrainer, Ranks, conditioned, eval_batch, train_like_one_process, training_batches
+from oracle import KerasTrainer, conditioned, eval_batch, launched_group, train_like_one_process, training_batches
 
 hvd = pytest.importorskip("horovod.tensorflow")
 hvd.init()
@@ -45,15 +45,9 @@ def built(layer, tail=(5, 3)):
     ("horovod", "node", [[0, 1, 2], [3]], False),
 ])
 def test_each_group_matches_plain_bn_on_its_batch(transport, group_size, parts, compiled):
-    mine = next(g for g in parts if RANK in g)
+    mine, ranks = launched_group(RANK, WORLD, parts, lambda table, name: hvd.allreduce(
+        table, op=hvd.Sum, name=f"oracle.{transport}.{group_size}.{name}").numpy())
     g, own, tail = parts.index(mine), [SIZES[r] for r in mine], (5, 3)
-
-    def summed(values, name):
-        table = np.zeros((WORLD, *np.shape(values[mine.index(RANK)])))
-        table[RANK] = np.asarray(values[mine.index(RANK)])
-        return hvd.allreduce(table, op=hvd.Sum, name=f"oracle.{transport}.{group_size}.{name}").numpy()[mine].sum(0)
-
-    ranks = Ranks(len(mine), lambda fn: {mine.index(RANK): fn(mine.index(RANK))}, summed)
     layer = built(SyncBatchNormalization(comm=transport, group_size=group_size, name=f"bn_{transport}_{group_size}"))
     plain = built(keras.layers.BatchNormalization(dtype="float64"))
     train_like_one_process(ranks, own, training_batches(sum(own), tail, 2, seed=10 * g),

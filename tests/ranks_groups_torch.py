@@ -18,8 +18,8 @@ from data_parallel import net, parallel_apply, replicate
 from hvd_syncbn import comm, groups
 from hvd_syncbn.torch import SyncBatchNorm, convert_sync_batchnorm
 from oracle import (
-    Ranks, TorchTrainer, as_accurate, assert_close, eval_batch, global_batch, shard_slice, train_like_one_process,
-    training_batches,
+    TorchTrainer, as_accurate, assert_close, eval_batch, global_batch, launched_group, shard_slice,
+    train_like_one_process, training_batches,
 )
 
 hvd = pytest.importorskip("horovod.torch")
@@ -37,18 +37,15 @@ def hosts(monkeypatch):
     monkeypatch.setattr(groups, "hostname", lambda: HOSTS[RANK])
 
 
+def world_sum(table, name):
+    summed = torch.from_numpy(table)
+    dist.all_reduce(summed)
+    return summed.numpy()
+
+
 def in_group(parts):
-    """This rank's group of ``parts`` as the oracle's :class:`Ranks` (its sums: a gather
-    over the world, summed over the group)."""
-    mine = next(g for g in parts if RANK in g)
-
-    def summed(values, name):
-        t = values[mine.index(RANK)].contiguous()
-        rows = [torch.empty_like(t) for _ in range(WORLD)]
-        dist.all_gather(rows, t)
-        return sum(rows[r] for r in mine)
-
-    return mine, Ranks(len(mine), lambda fn: {mine.index(RANK): fn(mine.index(RANK))}, summed)
+    """This rank's group of ``parts`` and its :class:`~oracle.Ranks`."""
+    return launched_group(RANK, WORLD, parts, world_sum)
 
 
 @pytest.mark.parametrize("group_size, parts", [(2, [[0, 1], [2, 3]]), ("node", [[0, 1, 2], [3]])], ids=["2", "node"])
