@@ -25,7 +25,7 @@ from hvd_syncbn.torch import check, convert_sync_batchnorm  # noqa: E402
 
 
 def train(model: nn.Module, opt: torch.optim.Optimizer, rank: int, backward=lambda loss: loss.backward()) -> None:
-    for step, batch in enumerate(global_batches()):
+    for batch in global_batches():
         x, y = shard(batch, rank)
         opt.zero_grad()
         loss = nn.functional.mse_loss(model(x), y)
